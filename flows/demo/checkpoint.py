@@ -1,0 +1,162 @@
+"""Tiny DeepSeek-V3-style MoE checkpoints for the demo and the tests.
+
+The shape mirrors Kimi-K2.5 (MLA attention, a dense first layer, routed and shared experts, a
+noaux_tc router) at a size vLLM's CPU build loads in about a minute. The INT4 variant uses the real
+compressed-tensors pack-quantized layout with Kimi-K2.5's ignore list, so validation sees the same
+tensor names and dtypes it will see on the 595 GB model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# Values vLLM's CPU build accepts (see shared/notes/field-facts.md): MLA head dim 576, noaux_tc.
+TINY_CONFIG = dict(
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    moe_intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    n_shared_experts=1,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=1,
+    kv_lora_rank=512,
+    q_lora_rank=None,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=128,
+    v_head_dim=128,
+    topk_method="noaux_tc",
+    max_position_embeddings=2048,
+    num_mtp_layers=0,
+)
+
+GROUP_SIZE = 32
+
+# Kimi-K2.5's ignore list, written for this model's module names: everything but the routed experts.
+KIMI_STYLE_IGNORE = [
+    "lm_head",
+    "re:.*self_attn.*",
+    "re:.*shared_experts.*",
+    r"re:model\.layers\.0\.mlp\..*",
+    r"re:.*mlp\.gate$",
+]
+
+_CORPUS_WORDS = (
+    "the model serves tokens over many experts while the router picks two of eight for each token "
+    "and attention compresses keys and values into a latent of rank five hundred twelve so that the "
+    "cache stays small on every device in the box during a long benchmark at high concurrency"
+).split()
+
+
+def _train_tokenizer(out_dir: Path, vocab_size: int, seed: int) -> None:
+    """Train a byte-level BPE locally: the Hub is out of reach, and vLLM needs a real tokenizer."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(seed)
+    lines = [" ".join(rng.choices(_CORPUS_WORDS, k=24)) for _ in range(2000)]
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|bos|>", "<|eos|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(lines, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>")
+    fast.save_pretrained(out_dir)
+
+
+def build_bf16(out_dir: Path, seed: int = 0) -> Path:
+    """Random-weight bf16 checkpoint plus tokenizer; returns the directory."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    config = DeepseekV3Config(**TINY_CONFIG, bos_token_id=0, eos_token_id=1)
+    model = DeepseekV3ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(out_dir)
+    _train_tokenizer(out_dir, TINY_CONFIG["vocab_size"], seed)
+    return out_dir
+
+
+def _quantize_int4(weight: "torch.Tensor") -> dict[str, "torch.Tensor"]:
+    """Symmetric per-group INT4, stored the way compressed-tensors' pack-quantized format stores it."""
+    import torch
+    from compressed_tensors.compressors import pack_to_int32
+
+    out_features, in_features = weight.shape
+    groups = weight.float().reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
+    scale = groups.abs().amax(dim=-1).clamp(min=1e-8) / 7.0
+    q = torch.round(groups / scale.unsqueeze(-1)).clamp(-8, 7).to(torch.int8)
+    return {
+        "weight_packed": pack_to_int32(q.reshape(out_features, in_features), 4),
+        "weight_scale": scale.to(torch.bfloat16),
+        "weight_shape": torch.tensor([out_features, in_features], dtype=torch.int64),
+    }
+
+
+def quantization_config(ignore: list[str]) -> dict:
+    """The quantization_config block Kimi-K2.5 ships (INT4, group 32, symmetric, no KV scheme)."""
+    weights = {
+        "num_bits": 4,
+        "type": "int",
+        "symmetric": True,
+        "strategy": "group",
+        "group_size": GROUP_SIZE,
+        "dynamic": False,
+        "actorder": None,
+        "observer": "minmax",
+    }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": weights,
+                "input_activations": None,
+                "output_activations": None,
+                "format": "pack-quantized",
+            }
+        },
+        "ignore": ignore,
+        "kv_cache_scheme": None,
+    }
+
+
+def build_int4(bf16_dir: Path, out_dir: Path) -> Path:
+    """Quantize the routed experts of a bf16 checkpoint; everything else stays as it was."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = load_file(bf16_dir / "model.safetensors")
+    packed: dict = {}
+    for name, tensor in tensors.items():
+        if ".mlp.experts." in name and name.endswith(".weight"):
+            module = name.removesuffix(".weight")
+            for suffix, value in _quantize_int4(tensor).items():
+                packed[f"{module}.{suffix}"] = value
+        else:
+            packed[name] = tensor
+    save_file(packed, out_dir / "model.safetensors", metadata={"format": "pt"})
+    for item in bf16_dir.iterdir():
+        if item.name not in {"model.safetensors", "config.json"}:
+            shutil.copy2(item, out_dir / item.name)
+    config = json.loads((bf16_dir / "config.json").read_text())
+    config["quantization_config"] = quantization_config(KIMI_STYLE_IGNORE)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return out_dir

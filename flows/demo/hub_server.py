@@ -1,0 +1,200 @@
+"""A Hugging Face Hub look-alike on 127.0.0.1, serving model repos from a local folder.
+
+The real huggingface_hub client code (model_info, hf_hub_download, range requests) runs against it
+through HF_ENDPOINT, so the demo and the tests exercise the same download path as production. It
+speaks the parts of the Hub protocol those calls use: /api/models/{repo}[/revision/{rev}] with
+blobs, and /{repo}/resolve/{rev}/{file} with HEAD, ETag, X-Repo-Commit and byte ranges.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+LFS_SUFFIXES = (".safetensors", ".bin", ".gguf")
+_API = re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)(?:/revision/(?P<rev>[^/]+))?$")
+_RESOLVE = re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<file>.+)$")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        while chunk := fh.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _git_blob_id(data: bytes) -> str:
+    return hashlib.sha1(f"blob {len(data)}\0".encode() + data).hexdigest()
+
+
+class LocalRepo:
+    """One repo folder: its files, their hashes and a commit sha derived from them."""
+
+    def __init__(self, repo_id: str, folder: Path):
+        self.repo_id = repo_id
+        self.folder = folder
+        self.files: dict[str, dict] = {}
+        for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+            rel = path.relative_to(folder).as_posix()
+            entry: dict = {"rfilename": rel, "size": path.stat().st_size}
+            if rel.endswith(LFS_SUFFIXES):
+                sha = _sha256(path)
+                pointer = f"version https://git-lfs.github.com/spec/v1\noid sha256:{sha}\nsize {entry['size']}\n"
+                entry["blobId"] = _git_blob_id(pointer.encode())
+                entry["lfs"] = {"size": entry["size"], "sha256": sha, "pointerSize": len(pointer)}
+            else:
+                entry["blobId"] = _git_blob_id(path.read_bytes())
+            self.files[rel] = entry
+        listing = json.dumps(sorted((k, v["blobId"]) for k, v in self.files.items()))
+        self.commit = hashlib.sha1(listing.encode()).hexdigest()
+
+    def etag(self, rel: str) -> str:
+        entry = self.files[rel]
+        return entry["lfs"]["sha256"] if "lfs" in entry else entry["blobId"]
+
+
+class LocalHub:
+    """Serves every <org>/<name> folder under root as a model repo with one revision, "main"."""
+
+    def __init__(self, root: Path, host: str = "127.0.0.1", port: int = 0):
+        self.root = root
+        self._repos: dict[str, LocalRepo] = {}
+        self._lock = threading.Lock()
+        hub = self
+
+        class Handler(_Handler):
+            local_hub = hub
+
+        self.server = ThreadingHTTPServer((host, port), Handler)
+        self.server.daemon_threads = True
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def endpoint(self) -> str:
+        host, port = self.server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def repo(self, repo_id: str) -> LocalRepo | None:
+        folder = self.root / repo_id
+        if not folder.is_dir():
+            return None
+        with self._lock:
+            if repo_id not in self._repos:
+                self._repos[repo_id] = LocalRepo(repo_id, folder)
+            return self._repos[repo_id]
+
+    def refresh(self) -> None:
+        """Forget cached hashes after the repo folders changed (a new 'commit')."""
+        with self._lock:
+            self._repos.clear()
+
+    def __enter__(self) -> "LocalHub":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    local_hub: LocalHub
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args) -> None:  # keep demo and test output readable
+        pass
+
+    def _error(self, status: int, code: str, message: str) -> None:
+        body = json.dumps({"error": message}).encode()
+        self.send_response(status)
+        self.send_header("X-Error-Code", code)
+        self.send_header("X-Error-Message", message)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _lookup(self, repo_id: str, rev: str | None) -> LocalRepo | None:
+        repo = self.local_hub.repo(repo_id)
+        if repo is None:
+            self._error(404, "RepoNotFound", f"Repository {repo_id} not found")
+            return None
+        if rev not in (None, "main", repo.commit):
+            self._error(404, "RevisionNotFound", f"Revision {rev} not found")
+            return None
+        return repo
+
+    def do_GET(self) -> None:
+        self._serve()
+
+    def do_HEAD(self) -> None:
+        self._serve()
+
+    def _serve(self) -> None:
+        path = unquote(urlsplit(self.path).path)
+        if m := _API.match(path):
+            repo = self._lookup(m["repo"], m["rev"])
+            if repo:
+                body = json.dumps(
+                    {"id": repo.repo_id, "modelId": repo.repo_id, "sha": repo.commit, "private": False,
+                     "siblings": list(repo.files.values())}
+                ).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if self.command == "GET":
+                    self.wfile.write(body)
+            return
+        if m := _RESOLVE.match(path):
+            repo = self._lookup(m["repo"], m["rev"])
+            if repo:
+                self._send_file(repo, m["file"])
+            return
+        self._error(404, "NotFound", f"no route for {path}")
+
+    def _send_file(self, repo: LocalRepo, rel: str) -> None:
+        if rel not in repo.files:
+            self._error(404, "EntryNotFound", f"{rel} does not exist in {repo.repo_id}")
+            return
+        file_path = repo.folder / rel
+        size = repo.files[rel]["size"]
+        start, end = 0, size - 1
+        status = 200
+        if (rng := self.headers.get("Range")) and (m := re.match(r"bytes=(\d*)-(\d*)$", rng.strip())):
+            if m[1]:
+                start = int(m[1])
+                end = min(int(m[2]), size - 1) if m[2] else size - 1
+            else:  # suffix range: the last N bytes
+                start = max(size - int(m[2]), 0)
+            status = 206
+            if start >= size:
+                self.send_response(416)
+                self.send_header("Content-Range", f"bytes */{size}")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+        self.send_response(status)
+        self.send_header("X-Repo-Commit", repo.commit)
+        self.send_header("ETag", f'"{repo.etag(rel)}"')
+        self.send_header("Accept-Ranges", "bytes")
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(end - start + 1))
+        if status == 206:
+            self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
+        self.end_headers()
+        if self.command == "HEAD":
+            return
+        with file_path.open("rb") as fh:
+            fh.seek(start)
+            remaining = end - start + 1
+            while remaining > 0 and (chunk := fh.read(min(1 << 20, remaining))):
+                self.wfile.write(chunk)
+                remaining -= len(chunk)
