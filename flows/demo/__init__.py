@@ -1,0 +1,61 @@
+"""`rollout demo`: the whole pipeline on this machine, with nothing but loopback.
+
+A tiny Kimi-K2.5-shaped checkpoint (bf16, and an INT4 variant in the real compressed-tensors
+layout) is published by a local Hub look-alike, then deploy_model runs on it with vLLM on the CPU.
+vLLM's CPU build has no INT4 MoE kernel, so the INT4 variant is fetched and validated, not served.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from flows.demo.checkpoint import build_bf16, build_int4
+from flows.demo.hub_server import LocalHub
+
+BF16_REPO = "demo/tiny-moe"
+INT4_REPO = "demo/tiny-moe-int4"
+
+
+def build_demo_repos(hub_root: Path) -> None:
+    """Create both repos once; a re-run reuses them (same files, same commit sha)."""
+    bf16 = hub_root / BF16_REPO
+    if not (bf16 / "config.json").exists():
+        build_bf16(bf16)
+    int4 = hub_root / INT4_REPO
+    if not (int4 / "config.json").exists():
+        build_int4(bf16, int4)
+
+
+def demo_config(endpoint: str, models_root: Path, **overrides):
+    from flows.deploy import DeployConfig
+
+    settings = dict(
+        repo_id=BF16_REPO,
+        models_root=models_root,
+        hub_endpoint=endpoint,
+        disk_margin_gb=0.1,
+        tensor_parallel_size=1,
+        enable_expert_parallel=True,
+        max_model_len=1024,
+        port=0,
+        startup_timeout_s=600,
+        concurrency_levels=[1, 2, 4],
+        requests_per_level=8,
+        input_len=64,
+        output_len=32,
+    )
+    return DeployConfig(**{**settings, **overrides})
+
+
+def run_demo(work_dir: Path):
+    """Returns (INT4 PreparedModel, bf16 DeployResult)."""
+    from flows.deploy import deploy_model, prepare_model
+
+    hub_root = work_dir / "hub"
+    build_demo_repos(hub_root)
+    with LocalHub(hub_root) as hub:
+        os.environ["HF_ENDPOINT"] = hub.endpoint  # for anything in this process tree that asks the Hub
+        int4 = prepare_model(demo_config(hub.endpoint, work_dir / "models", repo_id=INT4_REPO))
+        result = deploy_model(demo_config(hub.endpoint, work_dir / "models"))
+    return int4, result

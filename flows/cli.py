@@ -1,0 +1,129 @@
+"""The `rollout` command: demo, validate and deploy from a shell."""
+
+from __future__ import annotations
+
+import os
+
+# Prefect reads these when it starts its embedded server; analytics also races SQLite at start-up.
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+
+import json  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Annotated, Optional  # noqa: E402
+
+import typer  # noqa: E402
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+
+
+def _exit_on_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl-C, so the flow's finally stops vLLM instead of orphaning it."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
+def _fail(exc: BaseException) -> None:
+    typer.echo(f"error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", err=True)
+    raise typer.Exit(1)
+
+
+def _print_table(rows: list[dict]) -> None:
+    from tasks.report import SUMMARY_COLUMNS, bench_table
+
+    typer.echo(bench_table(rows)[SUMMARY_COLUMNS].round(2).to_string(index=False))
+
+
+@app.command()
+def demo(
+    work_dir: Annotated[Path, typer.Option(help="Where the demo keeps its hub, models and logs")] = Path("demo-work"),
+) -> None:
+    """Build a tiny MoE, serve it from a local hub, deploy and benchmark it on vLLM (CPU)."""
+    from flows.demo import run_demo
+
+    _exit_on_sigterm()
+    try:
+        int4, result = run_demo(work_dir.absolute())
+    except Exception as exc:
+        _fail(exc)
+    typer.echo(f"\nINT4 variant {int4.repo_id}: validation {int4.validation.verdict} "
+               f"({int4.validation.modules_packed} packed modules; validated, not served on CPU)")
+    typer.echo(f"Deployed {result.prepared.repo_id}@{result.prepared.commit[:12]} on {result.platform}\n")
+    _print_table(result.results)
+    typer.echo(
+        "\nThe runs, their artifacts (bench-demo-tiny-moe, validation-*) and logs are in Prefect's database."
+        "\nOpen them in the UI:  prefect server start   then browse http://127.0.0.1:4200/runs"
+    )
+
+
+@app.command()
+def validate(
+    model_dir: Annotated[Path, typer.Argument(help="Local checkpoint directory")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON")] = False,
+) -> None:
+    """Check a checkpoint's quantization config against its safetensors headers.
+
+    Exit 0 on pass, 1 on violations, 2 on unusable input.
+    """
+    from tasks.validate import CheckpointError, validate_checkpoint
+
+    try:
+        report = validate_checkpoint(model_dir)
+    except CheckpointError as exc:
+        if as_json:
+            typer.echo(json.dumps({"verdict": "error", "error": str(exc), "violations": []}))
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+    if as_json:
+        typer.echo(report.model_dump_json(indent=2))
+    else:
+        typer.echo(f"{report.verdict}: {model_dir}")
+        for v in report.violations + report.warnings:
+            typer.echo(f"  {v.rule}: {v.module}: {v.message}")
+        for note in report.notes:
+            typer.echo(f"  note: {note}")
+    raise typer.Exit(0 if report.verdict == "pass" else 1)
+
+
+@app.command()
+def deploy(
+    repo_id: Annotated[str, typer.Argument(help="Hub repo, e.g. moonshotai/Kimi-K2.5")],
+    revision: str = "main",
+    models_root: Path = Path("/models"),
+    tp: Annotated[int, typer.Option("--tp", help="Tensor parallel size")] = 1,
+    expert_parallel: Annotated[bool, typer.Option("--ep/--no-ep", help="Expert parallelism")] = True,
+    max_model_len: Optional[int] = None,
+    port: int = 8000,
+    concurrency: Annotated[str, typer.Option(help="Comma-separated levels")] = "1,4,16,64",
+    requests_per_level: int = 64,
+    input_len: int = 1024,
+    output_len: int = 256,
+    vllm_arg: Annotated[Optional[list[str]], typer.Option(help="Extra vLLM flag, repeatable")] = None,
+) -> None:
+    """Fetch, validate, serve and benchmark a model (the deploy-model flow, run here)."""
+    from pydantic import ValidationError
+
+    from flows.deploy import DeployConfig, deploy_model
+
+    _exit_on_sigterm()
+    try:
+        config = DeployConfig(
+            repo_id=repo_id, revision=revision, models_root=models_root, tensor_parallel_size=tp,
+            enable_expert_parallel=expert_parallel, max_model_len=max_model_len, port=port,
+            concurrency_levels=[int(c) for c in concurrency.split(",") if c.strip()],
+            requests_per_level=requests_per_level, input_len=input_len, output_len=output_len,
+            extra_vllm_args=vllm_arg or [],
+        )
+    except (ValidationError, ValueError) as exc:
+        typer.echo(f"error: bad option: {str(exc).splitlines()[0]}", err=True)
+        raise typer.Exit(2)
+    try:
+        result = deploy_model(config)
+    except Exception as exc:
+        _fail(exc)
+    _print_table(result.results)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,180 @@
+"""The deploy flow: Hub repo in, benchmarked vLLM server's numbers out.
+
+prepare_model (resolve, disk, fetch, validate) is its own flow so a model can be checked and staged
+without touching the GPUs; deploy_model composes it with the GPU probe, vLLM and the sweep.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+from prefect.task_runners import ThreadPoolTaskRunner
+from prefect.futures import wait
+from pydantic import BaseModel, Field, field_validator
+
+from tasks.bench import bench_level
+from tasks.disk import GB, check_disk
+from tasks.gpu import probe_gpus
+from tasks.hub import fetch_file_task, missing_bytes, resolve_snapshot_task, snapshot_dir
+from tasks.report import model_slug, publish_results
+from tasks.server import ServerConfig, reap_stale, start_and_wait, stop_server
+from tasks.validate import ValidationReport, validate_checkpoint_task
+
+
+class ValidationFailed(RuntimeError):
+    """The checkpoint does not store what its quantization config says."""
+
+
+class DeployConfig(BaseModel):
+    """What to deploy and how to benchmark it; the Prefect UI renders this as the run form."""
+
+    repo_id: str = Field(..., description="Hugging Face model repo, e.g. moonshotai/Kimi-K2.5")
+    revision: str = Field("main", description="Branch, tag or commit; resolved to a commit sha before download")
+    models_root: Path = Field(Path("/models"), description="Filesystem that holds the HF cache (models_root/hub)")
+    hub_endpoint: str | None = Field(None, description="Hub URL; empty uses HF_ENDPOINT or huggingface.co")
+    disk_margin_gb: float = Field(10.0, ge=0, description="Free space to keep beyond the model's size")
+    max_parallel_downloads: int = Field(8, ge=1, le=64, description="Files fetched at once")
+    served_model_name: str | None = Field(None, description="Name clients use; defaults to repo_id")
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM --tensor-parallel-size (8 on an 8-GPU box)")
+    enable_expert_parallel: bool = Field(True, description="vLLM --enable-expert-parallel for MoE models")
+    max_model_len: int | None = Field(None, ge=16, description="vLLM --max-model-len; empty keeps the model's")
+    port: int = Field(8000, ge=0, le=65535, description="Server port; 0 picks a free one")
+    startup_timeout_s: float = Field(1800, gt=0, description="Load deadline; a 1T model takes 5-15 minutes")
+    extra_vllm_args: list[str] = Field(default_factory=list, description="Further vLLM flags, passed verbatim")
+    vllm_env: dict[str, str] = Field(default_factory=dict, description="Environment for the vLLM process")
+    concurrency_levels: list[int] = Field([1, 4, 16, 64], min_length=1, description="Requests in flight per level")
+    requests_per_level: int = Field(64, ge=1, description="Requests per level (at least the level's concurrency)")
+    input_len: int = Field(1024, ge=1, description="Prompt tokens per request")
+    output_len: int = Field(256, ge=2, description="Output tokens per request (ignore_eos makes it exact)")
+    seed: int = Field(0, description="Prompt generation seed")
+
+    @field_validator("concurrency_levels")
+    @classmethod
+    def _positive_levels(cls, levels: list[int]) -> list[int]:
+        if any(c < 1 for c in levels):
+            raise ValueError("every concurrency level must be >= 1")
+        return sorted(set(levels))
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.models_root / "hub"
+
+    @property
+    def run_dir(self) -> Path:
+        """Server state file and log, one per host: there is one server per models root."""
+        return self.models_root / ".rollout"
+
+
+class PreparedModel(BaseModel):
+    repo_id: str
+    commit: str
+    model_dir: Path
+    total_bytes: int
+    validation: ValidationReport
+
+
+class DeployResult(BaseModel):
+    prepared: PreparedModel
+    platform: str
+    results: list[dict]
+
+
+def _validation_markdown(report: ValidationReport, title: str) -> str:
+    lines = [f"# {title}", "", f"**Verdict:** {report.verdict}", ""]
+    lines += [f"- {n}" for n in report.notes]
+    for label, items in (("Violations", report.violations), ("Warnings", report.warnings)):
+        if items:
+            lines += ["", f"## {label}", ""] + [f"- `{v.rule}` {v.module}: {v.message}" for v in items]
+    lines += ["", f"{report.files} file(s), {report.tensors} tensors, {report.modules_packed} packed modules, "
+              f"{report.header_bytes_read} header bytes read"]
+    return "\n".join(lines)
+
+
+@flow(name="prepare-model", task_runner=ThreadPoolTaskRunner(max_workers=8))
+def prepare_model(config: DeployConfig) -> PreparedModel:
+    """Pin the revision, make room, fetch every file in parallel, and check the checkpoint."""
+    logger = get_run_logger()
+    snapshot = resolve_snapshot_task(config.repo_id, config.revision, config.hub_endpoint)
+    logger.info("%s@%s is commit %s: %d files, %.2f GB", config.repo_id, config.revision, snapshot.commit,
+                len(snapshot.files), snapshot.total_bytes / GB)
+    check_disk(config.models_root, missing_bytes(snapshot, config.cache_dir), int(config.disk_margin_gb * GB))
+    files = sorted(snapshot.files, key=lambda f: f.size)  # config and tokenizer first: cheap early failures
+    futures = [fetch_file_task.submit(snapshot, f, config.cache_dir, config.hub_endpoint) for f in files]
+    wait(futures)
+    for future in futures:
+        future.result()  # raises the first failed fetch with its own message
+    model_dir = snapshot_dir(snapshot, config.cache_dir)
+    report = validate_checkpoint_task(model_dir)
+    create_markdown_artifact(
+        key=f"validation-{model_slug(config.repo_id)}",
+        markdown=_validation_markdown(report, f"Checkpoint validation of {config.repo_id}"),
+        description=f"compressed-tensors layout check: {report.verdict}",
+    )
+    if report.verdict == "fail":
+        first = report.violations[0]
+        raise ValidationFailed(
+            f"{model_dir}: {len(report.violations)} violation(s), first `{first.rule}` {first.module}: {first.message}"
+        )
+    return PreparedModel(repo_id=config.repo_id, commit=snapshot.commit, model_dir=model_dir,
+                         total_bytes=snapshot.total_bytes, validation=report)
+
+
+def _vocab_size(model_dir: Path) -> int:
+    config = json.loads((model_dir / "config.json").read_text())
+    return int(config.get("vocab_size") or config.get("text_config", {})["vocab_size"])
+
+
+def _reap_server(flow, flow_run, state) -> None:
+    """Cancellation and crash hooks: the vLLM group outlives the flow unless someone stops it."""
+    config = DeployConfig.model_validate(flow_run.parameters["config"])
+    reap_stale(config.run_dir / "server.json")
+
+
+@flow(name="deploy-model", on_cancellation=[_reap_server], on_crashed=[_reap_server])
+def deploy_model(config: DeployConfig) -> DeployResult:
+    logger = get_run_logger()
+    reaped = reap_stale(config.run_dir / "server.json")
+    if reaped:
+        logger.warning("stopped vLLM process group %d left by an earlier run", reaped)
+    prepared = prepare_model.with_options(
+        task_runner=ThreadPoolTaskRunner(max_workers=config.max_parallel_downloads)
+    )(config)
+    gpu = probe_gpus(config.tensor_parallel_size)
+    logger.info("platform %s: %s", gpu.platform, ", ".join(g.name for g in gpu.gpus) or gpu.reason)
+
+    env = {"VLLM_ENGINE_READY_TIMEOUT_S": str(int(config.startup_timeout_s))}
+    if gpu.platform == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB; the default would take a large share of RAM
+    server_cfg = ServerConfig(
+        model_path=prepared.model_dir,
+        served_model_name=config.served_model_name or config.repo_id,
+        tensor_parallel_size=config.tensor_parallel_size,
+        enable_expert_parallel=config.enable_expert_parallel,
+        max_model_len=config.max_model_len,
+        port=config.port,
+        extra_args=config.extra_vllm_args,
+        env={**env, **config.vllm_env},
+    )
+    slug = model_slug(config.repo_id)
+    handle = start_and_wait(server_cfg, config.run_dir, config.startup_timeout_s, f"server-failure-{slug}")
+    try:
+        logger.info("vLLM ready at %s", handle.base_url)
+        vocab = _vocab_size(prepared.model_dir)
+        rows = [
+            bench_level(handle.base_url, server_cfg.served_model_name, c, max(config.requests_per_level, c),
+                        config.input_len, config.output_len, vocab, config.seed)
+            for c in config.concurrency_levels
+        ]
+    finally:
+        stop_server(handle)
+    facts = {
+        "Revision": f"{config.revision} ({prepared.commit[:12]})",
+        "Platform": gpu.platform + (f" ({len(gpu.gpus)}x {gpu.gpus[0].name})" if gpu.gpus else ""),
+        "Parallelism": f"TP={config.tensor_parallel_size}, EP={'on' if config.enable_expert_parallel else 'off'}",
+        "Lengths": f"input {config.input_len}, output {config.output_len} tokens",
+    }
+    publish_results(rows, config.repo_id, facts)
+    return DeployResult(prepared=prepared, platform=gpu.platform, results=rows)

