@@ -211,7 +211,7 @@ def stop_server(handle: ServerHandle, grace_s: float = 20.0) -> None:
     handle.state_file.unlink(missing_ok=True)
 
 
-def reap_stale(state_file: Path) -> int | None:
+def reap_stale(state_file: Path, grace_s: float = 20.0) -> int | None:
     """Stop a server recorded by an earlier run that did not stop it; returns its pgid if one was found."""
     try:
         state = json.loads(state_file.read_text())
@@ -221,7 +221,7 @@ def reap_stale(state_file: Path) -> int | None:
     live = group_members(pgid)
     # Only a group that still runs vLLM: a recycled pgid must not take an unrelated process down.
     if live and any(b"vllm" in _cmdline(pid) for pid in live):
-        stop_group(pgid)
+        stop_group(pgid, grace_s)
     state_file.unlink(missing_ok=True)
     return pgid if live else None
 

@@ -1,0 +1,102 @@
+"""The real flow on the real Prefect test server and a real vLLM CPU server."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+from flows.demo import BF16_REPO, demo_config, run_demo
+from flows.deploy import deploy_model, prepare_model
+from tasks.disk import DiskSpaceError
+from tasks.hub import HubError
+from tasks.server import ServerStartError
+from tasks.validate import CheckpointError
+
+pytestmark = pytest.mark.usefixtures("prefect_server")
+
+
+def vllm_processes() -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes()
+                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if b"vllm.entrypoints" in cmd and stat != "Z":
+                pids.append(int(entry.name))
+    return pids
+
+
+def artifact(key: str):
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+    assert found, f"no artifact {key}"
+    return found[0]
+
+
+def test_demo_deploys_benchmarks_and_publishes(tmp_path):
+    int4, result = run_demo(tmp_path)
+
+    assert int4.validation.verdict == "pass" and int4.validation.modules_packed > 0
+    assert result.platform == "cpu"
+    rows = sorted(result.results, key=lambda r: r["concurrency"])
+    assert [r["concurrency"] for r in rows] == [1, 2, 4]
+    for row in rows:
+        assert row["failed"] == 0 and row["completed"] == row["requests"] == 8
+        assert row["total_output_tokens"] == 8 * 32  # ignore_eos + min_tokens: exact lengths
+        assert row["output_throughput"] > 0 and row["ttft_mean_ms"] > 0
+        assert row["e2el_p99_ms"] >= row["ttft_p99_ms"]
+
+    table = artifact("bench-demo-tiny-moe")
+    assert table.type == "table"
+    stored = json.loads(table.data) if isinstance(table.data, str) else table.data
+    assert [r["concurrency"] for r in stored] == [1, 2, 4]
+    for kept, measured in zip(stored, rows):
+        assert kept["output_throughput"] == pytest.approx(measured["output_throughput"])
+        assert kept["total_output_tokens"] == measured["total_output_tokens"]
+
+    summary = artifact("bench-summary-demo-tiny-moe")
+    assert f"{rows[0]['output_throughput']:.1f} output tok/s" in summary.data
+    assert "TP=1, EP=on" in summary.data
+    assert "**Verdict:** pass" in artifact("validation-demo-tiny-moe-int4").data
+    assert vllm_processes() == []
+
+
+def test_vllm_dying_at_startup_fails_with_cause_and_log_tail(local_hub, tmp_path):
+    config = demo_config(local_hub.endpoint, tmp_path / "models", extra_vllm_args=["--no-such-flag"])
+    with pytest.raises(ServerStartError) as info:
+        deploy_model(config)
+    assert info.value.cause == "invalid-argument"
+    assert "\n" not in str(info.value) and "--no-such-flag" in str(info.value)
+    failure = artifact("server-failure-demo-tiny-moe")
+    assert "invalid-argument" in failure.data and "--no-such-flag" in failure.data
+    assert vllm_processes() == []
+    assert not (tmp_path / "models" / ".rollout" / "server.json").exists()
+
+
+def test_unknown_repo_fails_in_one_line(local_hub, tmp_path):
+    with pytest.raises(HubError, match=r"^repo demo/absent not found") as info:
+        prepare_model(demo_config(local_hub.endpoint, tmp_path / "models", repo_id="demo/absent"))
+    assert "\n" not in str(info.value)
+
+
+def test_model_that_does_not_fit_is_refused_before_download(local_hub, tmp_path):
+    config = demo_config(local_hub.endpoint, tmp_path / "models", disk_margin_gb=10**9)
+    with pytest.raises(DiskSpaceError, match="model needs"):
+        prepare_model(config)
+    assert not (tmp_path / "models" / "hub").exists()
+
+
+def test_unreadable_config_json_names_the_file(local_hub, hub_root, tmp_path):
+    broken = hub_root / "demo" / "broken-config"
+    shutil.copytree(hub_root / BF16_REPO, broken)
+    (broken / "config.json").write_text('{"architectures": [')
+    with pytest.raises(CheckpointError, match=r"config\.json: not valid JSON"):
+        prepare_model(demo_config(local_hub.endpoint, tmp_path / "models", repo_id="demo/broken-config"))

@@ -1,0 +1,118 @@
+"""Process-group handling and failure classification, without starting vLLM (test_e2e does that)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tasks.server import (
+    ServerConfig,
+    ServerStartError,
+    build_command,
+    classify_failure,
+    group_members,
+    reap_stale,
+    start_server,
+    stop_group,
+)
+
+# A leader that ignores SIGTERM and a child that does too: only SIGKILL of the group ends them.
+STUBBORN = (
+    "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    "subprocess.Popen([sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    "time.sleep(600)']); time.sleep(600)"
+)
+
+
+def _spawn_group(code: str, *args: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", code, *args], start_new_session=True)
+    for _ in range(100):
+        if len(group_members(proc.pid)) >= 2:
+            break
+        __import__("time").sleep(0.05)
+    return proc
+
+
+def test_command_carries_parallelism_flags():
+    cfg = ServerConfig(model_path=Path("/m"), served_model_name="kimi", tensor_parallel_size=8,
+                       enable_expert_parallel=True, max_model_len=65536, extra_args=["--all2all-backend", "pplx"])
+    cmd = build_command(cfg, 8001)
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    joined = " ".join(cmd)
+    assert "--tensor-parallel-size 8" in joined and "--enable-expert-parallel" in cmd
+    assert "--max-model-len 65536" in joined and "--port 8001" in joined
+    assert cmd[-2:] == ["--all2all-backend", "pplx"]
+
+
+def test_expert_parallel_off_omits_the_flag():
+    cmd = build_command(ServerConfig(model_path=Path("/m"), served_model_name="m"), 8000)
+    assert "--enable-expert-parallel" not in cmd
+
+
+@pytest.mark.parametrize(
+    "line, cause",
+    [
+        ("api_server.py: error: unrecognized arguments: --disable-log-requests", "invalid-argument"),
+        ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", "out-of-memory"),
+        ("ValueError: To serve at least one request with the models's max seq len (262144), (17.16 GiB KV cache is "
+         "needed, which is larger than the maximum number of tokens that can be stored in KV cache", "kv-cache-too-small"),
+        ("RuntimeError: NCCL error: unhandled system error", "nccl"),
+        ("ValueError: No WNA16 MoE backend supports the deployment configuration", "unsupported-model"),
+        ("OSError: [Errno 98] Address already in use", "port-in-use"),
+        ("RuntimeError: something else broke", "exited"),
+    ],
+)
+def test_failure_causes_are_classified_from_the_log(line, cause):
+    found, shown = classify_failure(f"INFO starting\n{line}\nINFO shutting down")
+    assert found == cause
+    assert shown == line
+
+
+def test_stop_group_escalates_to_sigkill_and_leaves_nothing():
+    proc = _spawn_group(STUBBORN)
+    assert len(group_members(proc.pid)) == 2
+    stop_group(proc.pid, grace_s=0.5)
+    proc.wait(timeout=5)
+    assert group_members(proc.pid) == []
+
+
+def test_reaper_stops_a_vllm_group_left_by_a_crashed_run(tmp_path):
+    proc = _spawn_group(STUBBORN, "vllm.entrypoints.openai.api_server")  # looks like vLLM in /proc
+    state = tmp_path / "server.json"
+    state.write_text(json.dumps({"pid": proc.pid, "pgid": proc.pid}))
+    assert reap_stale(state, grace_s=0.5) == proc.pid
+    proc.wait(timeout=5)
+    assert group_members(proc.pid) == [] and not state.exists()
+
+
+def test_reaper_never_kills_a_group_that_is_not_vllm(tmp_path):
+    proc = _spawn_group(STUBBORN)
+    state = tmp_path / "server.json"
+    state.write_text(json.dumps({"pid": proc.pid, "pgid": proc.pid}))
+    try:
+        reap_stale(state)
+        assert len(group_members(proc.pid)) == 2
+    finally:
+        stop_group(proc.pid, grace_s=0.1)
+        proc.wait(timeout=5)
+
+
+def test_missing_model_path_fails_before_launch(tmp_path):
+    with pytest.raises(ServerStartError, match="does not exist") as info:
+        start_server(ServerConfig(model_path=tmp_path / "absent", served_model_name="m", port=0), tmp_path)
+    assert info.value.cause == "model-path-missing"
+
+
+def test_port_in_use_fails_before_launch(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(ServerStartError, match=f"port 127.0.0.1:{port} is already in use") as info:
+            start_server(ServerConfig(model_path=tmp_path, served_model_name="m", port=port), tmp_path)
+    assert info.value.cause == "port-in-use"
