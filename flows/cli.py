@@ -9,6 +9,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
 import json  # noqa: E402
+import re  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -16,6 +17,7 @@ from typing import Annotated, Optional  # noqa: E402
 
 import typer  # noqa: E402
 
+REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
 
@@ -59,18 +61,26 @@ def demo(
 
 @app.command()
 def validate(
-    model_dir: Annotated[Path, typer.Argument(help="Local checkpoint directory")],
+    target: Annotated[str, typer.Argument(help="Local checkpoint directory, or a Hub repo id (read by range requests)")],
+    revision: Annotated[str, typer.Option(help="Revision, for a repo id")] = "main",
+    endpoint: Annotated[Optional[str], typer.Option(help="Hub URL, for a repo id; default HF_ENDPOINT")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON")] = False,
 ) -> None:
     """Check a checkpoint's quantization config against its safetensors headers.
 
     Exit 0 on pass, 1 on violations, 2 on unusable input.
     """
-    from tasks.validate import CheckpointError, validate_checkpoint
+    from tasks.headers import CheckpointError
+    from tasks.hub import HubError
+    from tasks.validate import validate_checkpoint, validate_remote
 
+    local = Path(target)
     try:
-        report = validate_checkpoint(model_dir)
-    except CheckpointError as exc:
+        if local.exists() or not REPO_ID.match(target):
+            report = validate_checkpoint(local)
+        else:
+            report = validate_remote(target, revision, endpoint)
+    except (CheckpointError, HubError) as exc:
         if as_json:
             typer.echo(json.dumps({"verdict": "error", "error": str(exc), "violations": []}))
         typer.echo(f"error: {exc}", err=True)
@@ -78,7 +88,7 @@ def validate(
     if as_json:
         typer.echo(report.model_dump_json(indent=2))
     else:
-        typer.echo(f"{report.verdict}: {model_dir}")
+        typer.echo(f"{report.verdict}: {report.source} (read {report.bytes_read:,} of {report.total_bytes:,} bytes)")
         for v in report.violations + report.warnings:
             typer.echo(f"  {v.rule}: {v.module}: {v.message}")
         for note in report.notes:

@@ -21,7 +21,7 @@ from tasks.gpu import probe_gpus
 from tasks.hub import fetch_file_task, missing_bytes, resolve_snapshot_task, snapshot_dir
 from tasks.report import model_slug, publish_results
 from tasks.server import ServerConfig, reap_stale, start_and_wait, stop_server
-from tasks.validate import ValidationReport, validate_checkpoint_task
+from tasks.validate import ValidationReport, publish_report, validate_checkpoint_task, validate_remote_task
 
 
 class ValidationFailed(RuntimeError):
@@ -88,9 +88,26 @@ def _validation_markdown(report: ValidationReport, title: str) -> str:
     for label, items in (("Violations", report.violations), ("Warnings", report.warnings)):
         if items:
             lines += ["", f"## {label}", ""] + [f"- `{v.rule}` {v.module}: {v.message}" for v in items]
-    lines += ["", f"{report.files} file(s), {report.tensors} tensors, {report.modules_packed} packed modules, "
-              f"{report.header_bytes_read} header bytes read"]
+    lines += ["", f"{report.files} file(s), {report.tensors} tensors, {report.modules_packed} packed modules; "
+              f"read {report.bytes_read:,} of {report.total_bytes:,} bytes"]
     return "\n".join(lines)
+
+
+def _publish_validation(report: ValidationReport, repo_id: str, stage: str) -> None:
+    """Markdown verdict and per-role table; raises when the checkpoint fails."""
+    slug = model_slug(repo_id)
+    create_markdown_artifact(
+        key=f"validation-{stage}-{slug}",
+        markdown=_validation_markdown(report, f"Checkpoint validation of {repo_id} ({stage})"),
+        description=f"compressed-tensors layout check {stage}: {report.verdict}",
+    )
+    publish_report(report, f"validation-table-{stage}-{slug}")
+    if report.verdict == "fail":
+        first = report.violations[0]
+        raise ValidationFailed(
+            f"{report.source}: {len(report.violations)} violation(s) {stage}, first `{first.rule}` "
+            f"{first.module}: {first.message}"
+        )
 
 
 @flow(name="prepare-model", task_runner=ThreadPoolTaskRunner(max_workers=8))
@@ -100,6 +117,9 @@ def prepare_model(config: DeployConfig) -> PreparedModel:
     snapshot = resolve_snapshot_task(config.repo_id, config.revision, config.hub_endpoint)
     logger.info("%s@%s is commit %s: %d files, %.2f GB", config.repo_id, config.revision, snapshot.commit,
                 len(snapshot.files), snapshot.total_bytes / GB)
+    # The same rules on the hub's headers first: a bad checkpoint costs seconds, not a download.
+    _publish_validation(validate_remote_task(snapshot, config.hub_endpoint), config.repo_id,
+                        "remote")
     check_disk(config.models_root, missing_bytes(snapshot, config.cache_dir), int(config.disk_margin_gb * GB))
     files = sorted(snapshot.files, key=lambda f: f.size)  # config and tokenizer first: cheap early failures
     futures = [fetch_file_task.submit(snapshot, f, config.cache_dir, config.hub_endpoint) for f in files]
@@ -108,16 +128,7 @@ def prepare_model(config: DeployConfig) -> PreparedModel:
         future.result()  # raises the first failed fetch with its own message
     model_dir = snapshot_dir(snapshot, config.cache_dir)
     report = validate_checkpoint_task(model_dir)
-    create_markdown_artifact(
-        key=f"validation-{model_slug(config.repo_id)}",
-        markdown=_validation_markdown(report, f"Checkpoint validation of {config.repo_id}"),
-        description=f"compressed-tensors layout check: {report.verdict}",
-    )
-    if report.verdict == "fail":
-        first = report.violations[0]
-        raise ValidationFailed(
-            f"{model_dir}: {len(report.violations)} violation(s), first `{first.rule}` {first.module}: {first.message}"
-        )
+    _publish_validation(report, config.repo_id, "local")
     return PreparedModel(repo_id=config.repo_id, commit=snapshot.commit, model_dir=model_dir,
                          total_bytes=snapshot.total_bytes, validation=report)
 

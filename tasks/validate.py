@@ -7,17 +7,19 @@ shape error deep inside vLLM. Here the config is checked against the safetensors
 
 from __future__ import annotations
 
-import json
 import re
-import struct
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from prefect import task
+from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from safetensors import safe_open
+
+from tasks.checkpoint import CheckpointView, local_view, remote_view
+from tasks.headers import CheckpointError, TensorMeta
+from tasks.hub import RepoSnapshot, resolve_snapshot
 
 UNQUANTIZED_DTYPES = {"BF16", "F16", "F32"}
 INT_DTYPES = {"I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64"}
@@ -32,10 +34,6 @@ FUSED_PARTS = {
     "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),
 }
 _PART_TO_FUSED = {part: fused for fused, parts in FUSED_PARTS.items() for part in parts}
-
-
-class CheckpointError(ValueError):
-    """The checkpoint cannot be read at all (missing dir, bad JSON, unreadable header)."""
 
 
 class QuantArgs(BaseModel):
@@ -72,7 +70,7 @@ class Violation(BaseModel):
 
 
 class ValidationReport(BaseModel):
-    model_dir: str
+    source: str
     verdict: Literal["pass", "fail"]
     quant_method: str | None
     violations: list[Violation]
@@ -82,14 +80,9 @@ class ValidationReport(BaseModel):
     tensors: int
     modules_packed: int
     modules_unquantized: int
-    header_bytes_read: int
-
-
-@dataclass
-class TensorMeta:
-    dtype: str
-    shape: list[int]
-    file: Path
+    total_bytes: int
+    bytes_read: int
+    summary: list[dict] = Field(default_factory=list, description="module role/storage/dtype -> count, bytes")
 
 
 @dataclass
@@ -124,60 +117,15 @@ def engine_names(name: str) -> list[str]:
     return names
 
 
-def load_config(model_dir: Path) -> dict:
-    if not model_dir.is_dir():
-        raise CheckpointError(f"{model_dir}: not a directory")
-    path = model_dir / "config.json"
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError as exc:
-        raise CheckpointError(f"{path}: missing") from exc
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
 
 
-def parse_quant_config(raw: dict, source: Path) -> CompressedTensorsConfig:
+def parse_quant_config(raw: dict, source: str) -> CompressedTensorsConfig:
     try:
         return CompressedTensorsConfig.model_validate(raw)
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"])
-        raise CheckpointError(f"{source}: quantization_config.{where}: {err['msg']}") from exc
-
-
-def shard_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{index}: no readable weight_map ({exc})") from exc
-        files = sorted({model_dir / f for f in weight_map.values()})
-    else:
-        files = sorted(model_dir.glob("*.safetensors"))
-    missing = [f.name for f in files if not f.exists()]
-    if missing:
-        raise CheckpointError(f"{model_dir}: weight_map names missing shard(s) {', '.join(missing[:3])}")
-    if not files:
-        raise CheckpointError(f"{model_dir}: no *.safetensors files")
-    return files
-
-
-def read_headers(files: list[Path]) -> tuple[dict[str, TensorMeta], int]:
-    """Tensor names, dtypes and shapes from the headers; returns them and the header bytes read."""
-    tensors: dict[str, TensorMeta] = {}
-    header_bytes = 0
-    for path in files:
-        try:
-            with path.open("rb") as fh:
-                header_bytes += 8 + struct.unpack("<Q", fh.read(8))[0]
-            with safe_open(path, framework="numpy") as f:
-                for name in f.keys():
-                    s = f.get_slice(name)
-                    tensors[name] = TensorMeta(dtype=s.get_dtype(), shape=list(s.get_shape()), file=path)
-        except Exception as exc:  # safetensors raises its own error types for bad headers
-            raise CheckpointError(f"{path}: unreadable safetensors header ({exc})") from exc
-    return tensors, header_bytes
+        raise CheckpointError(f"{source}: config.json: quantization_config.{where}: {err['msg']}") from exc
 
 
 def group_modules(tensors: dict[str, TensorMeta]) -> dict[str, Module]:
@@ -189,7 +137,7 @@ def group_modules(tensors: dict[str, TensorMeta]) -> dict[str, Module]:
     return modules
 
 
-def module_kind(module: Module, names: set[str]) -> str:
+def module_kind(module: Module, expert_parents: set[str]) -> str:
     """Linear, embedding, router or other, from the stored layout (the model code is not at hand).
 
     A DeepSeek/Kimi router (`mlp.gate`) stores a 2-D weight but is no nn.Linear, so a "Linear"
@@ -198,82 +146,174 @@ def module_kind(module: Module, names: set[str]) -> str:
     parent, _, leaf = module.name.rpartition(".")
     if leaf in EMBEDDING_NAMES:
         return "embedding"
-    if leaf == "gate" and any(n.startswith(f"{parent}.experts.") for n in names):
+    if leaf == "gate" and parent in expert_parents:
         return "router"
     if module.packed or len(module.params["weight"].shape) == 2:
         return "linear"
     return "other"
 
 
-def _read_shape_values(meta: TensorMeta, name: str) -> list[int]:
-    with safe_open(meta.file, framework="numpy") as f:
-        return [int(v) for v in f.get_tensor(name).reshape(-1)]
+def _unscoped(name: str) -> bool:
+    return bool(set(name.split(".")) & UNSCOPED_PARTS)
 
 
-def _check_packed(module: Module, args: QuantArgs) -> list[str]:
+def module_role(name: str, kind: str) -> str:
+    """A coarse role for the summary table: what an engineer reads an ignore list in terms of."""
+    if _unscoped(name):
+        return "vision/projector"
+    if kind in ("embedding", "router"):
+        return kind
+    if name.endswith("lm_head"):
+        return "lm_head"
+    for marker, role in ((".shared_experts.", "shared expert"), (".experts.", "routed expert"), ("attn", "attention"),
+                         (".mlp.", "dense mlp")):
+        if marker in name:
+            return role
+    return kind
+
+
+def _check_packed(module: Module, args: QuantArgs, values: dict[TensorMeta, tuple[int, ...]]) -> list[str]:
     """Problems with one packed module's layout, empty when it matches the scheme."""
     p = module.params
     missing = [n for n in ("weight_packed", "weight_scale", "weight_shape") if n not in p]
     if missing:
         return [f"packed without {', '.join(missing)}"]
-    problems = []
     packed, scale, shape = p["weight_packed"], p["weight_scale"], p["weight_shape"]
-    if shape.dtype not in INT_DTYPES or shape.shape != [2]:
-        return [f"weight_shape is {shape.dtype}{shape.shape}, expected an integer tensor of 2 values"]
-    out_f, in_f = _read_shape_values(shape, f"{module.name}.weight_shape")
+    if shape.dtype not in INT_DTYPES or shape.shape != (2,):
+        return [f"weight_shape is {shape.dtype}{list(shape.shape)}, expected an integer tensor of 2 values"]
+    if packed.dtype != "I32" or len(packed.shape) != 2:
+        return [f"weight_packed is {packed.dtype}{list(packed.shape)}, expected a 2-D I32 tensor"]
     per_int = 32 // args.num_bits
-    if packed.dtype != "I32" or packed.shape != [out_f, -(-in_f // per_int)]:
-        problems.append(f"weight_packed is {packed.dtype}{packed.shape}, expected I32[{out_f}, {-(-in_f // per_int)}]")
+    # Without the stored values (before download) the packed shape stands in for them.
+    out_f, in_f = values.get(shape, (packed.shape[0], packed.shape[1] * per_int))
+    problems = []
+    if list(packed.shape) != [out_f, -(-in_f // per_int)]:
+        problems.append(f"weight_packed is I32{list(packed.shape)} but weight_shape [{out_f}, {in_f}] "
+                        f"needs I32[{out_f}, {-(-in_f // per_int)}] at {args.num_bits} bits")
     if args.strategy == "group" and args.group_size:
         want = [out_f, -(-in_f // args.group_size)]
     elif args.strategy == "channel":
         want = [out_f, 1]
     else:
         want = None
-    if want and scale.shape != want:
-        problems.append(f"weight_scale is {scale.shape}, expected {want} for {args.strategy} {args.group_size or ''}")
+    if want and list(scale.shape) != want:
+        problems.append(f"weight_scale is {list(scale.shape)}, expected {want} for {args.strategy} "
+                        f"{args.group_size or ''}".rstrip())
     return problems
 
 
-def validate_checkpoint(model_dir: Path) -> ValidationReport:
-    config = load_config(model_dir)
-    files = shard_files(model_dir)
-    tensors, header_bytes = read_headers(files)
+def _check_weight_map(view: CheckpointView, tensors: dict[str, TensorMeta], out: list[Violation]) -> None:
+    for name in sorted(view.missing_shards):
+        out.append(Violation(rule="weight-map-missing-file", module=name,
+                             message="model.safetensors.index.json names this shard but it is not stored"))
+    if view.weight_map is None:
+        return
+    named = set(view.weight_map.values())
+    for name in sorted(view.stored_shards - named):
+        out.append(Violation(rule="shard-not-in-weight-map", module=name,
+                             message="stored shard that the weight_map never names (vLLM would ignore it)"))
+    wrong = [t for t, f in view.weight_map.items() if f in view.stored_shards and
+             (t not in tensors or tensors[t].file != f)]
+    if wrong:
+        out.append(Violation(rule="weight-map-mismatch", module=wrong[0],
+                             message=f"{len(wrong)} tensor(s) not stored where the weight_map says, e.g. this one "
+                                     f"(map: {view.weight_map[wrong[0]]})"))
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_EXPERT = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts\.(\d+)\.")
+
+
+def _check_config_agrees(text_config: dict, tensors: dict[str, TensorMeta], out: list[Violation]) -> None:
+    """Layer and expert counts in config.json must describe the stored tensors."""
+    scoped = [n for n in tensors if not _unscoped(n)]
+    layers = {int(m[1]) for n in scoped if (m := _LAYER.search(n))}
+    declared = text_config.get("num_hidden_layers")
+    if isinstance(declared, int) and layers:
+        nextn = int(text_config.get("num_nextn_predict_layers") or 0)
+        stored = max(layers) + 1
+        if stored not in (declared, declared + nextn):
+            out.append(Violation(rule="config-layer-count", module="num_hidden_layers",
+                                 message=f"config says {declared} layers (+{nextn} MTP) but tensors hold {stored}"))
+    experts_declared = next((text_config[k] for k in ("n_routed_experts", "num_experts", "num_local_experts")
+                             if isinstance(text_config.get(k), int)), None)
+    per_layer: dict[int, int] = defaultdict(int)
+    for n in scoped:
+        if m := _EXPERT.search(n):
+            per_layer[int(m[1])] = max(per_layer[int(m[1])], int(m[2]) + 1)
+    bad = {layer: count for layer, count in per_layer.items() if count != experts_declared}
+    if experts_declared is not None and bad:
+        layer = min(bad)
+        out.append(Violation(rule="config-expert-count", module=f"layers.{layer}.mlp.experts",
+                             message=f"config says {experts_declared} routed experts but layer {layer} stores "
+                                     f"{bad[layer]} ({len(bad)} layer(s) disagree)"))
+
+
+def _summary(modules: dict[str, Module], kinds: dict[str, str]) -> list[dict]:
+    rows: dict[tuple[str, str, str], dict] = {}
+    for name, module in modules.items():
+        storage = "packed" if module.packed else "unquantized"
+        dtype = (module.params.get("weight_packed") or module.params["weight"]).dtype
+        key = (module_role(name, kinds[name]), storage, dtype)
+        row = rows.setdefault(key, {"role": key[0], "storage": storage, "dtype": dtype, "modules": 0, "bytes": 0})
+        row["modules"] += 1
+        row["bytes"] += sum(t.nbytes for t in module.params.values())
+    return sorted(rows.values(), key=lambda r: -r["bytes"])
+
+
+def validate(view: CheckpointView) -> ValidationReport:
+    """Every rule over one checkpoint; violations fail it, warnings and notes inform."""
+    tensors = {name: meta for h in view.headers for name, meta in h.tensors.items()}
     modules = group_modules(tensors)
-    names = set(modules)
+    expert_parents = {n.split(".experts.")[0] for n in modules if ".experts." in n}
+    kinds = {name: module_kind(m, expert_parents) for name, m in modules.items()}
     violations: list[Violation] = []
     warnings: list[Violation] = []
     notes: list[str] = []
+    bytes_read = view.bytes_read
 
-    raw = config.get("quantization_config") or config.get("text_config", {}).get("quantization_config")
-    quant_method = raw.get("quant_method") if raw else None
+    _check_weight_map(view, tensors, violations)
+    text_config = view.config.get("text_config") or view.config
+    _check_config_agrees(text_config, tensors, violations)
+    raw = view.config.get("quantization_config") or text_config.get("quantization_config")
+    quant_method = raw.get("quant_method") if isinstance(raw, dict) else None
     if not raw:
         notes.append("no quantization_config: the checkpoint is served as stored; nothing to check against")
     elif quant_method != "compressed-tensors":
         notes.append(f"quant_method {quant_method!r}: only compressed-tensors layouts are checked")
     else:
-        qc = parse_quant_config(raw, model_dir / "config.json")
-        _check_compressed_tensors(qc, modules, names, violations, warnings, notes)
+        qc = parse_quant_config(raw, view.source)
+        shape_metas = [m.params["weight_shape"] for m in modules.values() if "weight_shape" in m.params]
+        if view.read_values is None:
+            values = {}
+            notes.append("weight_shape values not read (remote view): packed shapes checked against each other")
+        else:
+            values = view.read_values(shape_metas)
+            bytes_read += sum(m.nbytes for m in values)
+        _check_compressed_tensors(qc, modules, kinds, values, violations, warnings, notes)
 
     return ValidationReport(
-        model_dir=str(model_dir),
+        source=view.source,
         verdict="fail" if violations else "pass",
         quant_method=quant_method,
         violations=violations,
         warnings=warnings,
         notes=notes,
-        files=len(files),
+        files=len(view.headers),
         tensors=len(tensors),
         modules_packed=sum(m.packed for m in modules.values()),
         modules_unquantized=sum(m.unquantized and not m.packed for m in modules.values()),
-        header_bytes_read=header_bytes,
+        total_bytes=view.total_bytes,
+        bytes_read=bytes_read,
+        summary=_summary(modules, kinds),
     )
 
 
 def _check_compressed_tensors(
     qc: CompressedTensorsConfig,
     modules: dict[str, Module],
-    names: set[str],
+    kinds: dict[str, str],
+    values: dict[TensorMeta, tuple[int, ...]],
     violations: list[Violation],
     warnings: list[Violation],
     notes: list[str],
@@ -283,11 +323,10 @@ def _check_compressed_tensors(
     fused_ignored: dict[str, dict[str, bool]] = defaultdict(dict)
 
     for name, module in sorted(modules.items()):
-        kind = module_kind(module, names)
+        kind = kinds[name]
         if kind in ("embedding", "other"):
             continue
-        candidates = engine_names(name)
-        hits = {ign for ign in qc.ignore for n in candidates if match_name(n, ign)}
+        hits = {ign for ign in qc.ignore for n in engine_names(name) if match_name(n, ign)}
         used_ignores |= hits
         ignored = bool(hits)
         leaf = name.rpartition(".")[2]
@@ -319,9 +358,9 @@ def _check_compressed_tensors(
             continue
         if module.packed:
             if group.weights is not None:
-                for problem in _check_packed(module, group.weights):
+                for problem in _check_packed(module, group.weights, values):
                     violations.append(Violation(rule="packed-layout", module=name, message=problem))
-        elif set(name.split(".")) & UNSCOPED_PARTS:
+        elif _unscoped(name):
             unscoped.append(name)
         else:
             violations.append(Violation(
@@ -332,7 +371,8 @@ def _check_compressed_tensors(
         if len(set(parts.values())) > 1:
             violations.append(Violation(
                 rule="fused-parts-disagree", module=fused,
-                message=f"vLLM loads {fused} as one module but the ignore list covers only {sorted(k for k, v in parts.items() if v)}"))
+                message=f"vLLM loads {fused} as one module but the ignore list covers only "
+                        f"{sorted(k for k, v in parts.items() if v)}"))
     for entry in qc.ignore:
         if entry not in used_ignores:
             warnings.append(Violation(rule="stale-ignore", module=entry, message="ignore entry matches no stored module"))
@@ -344,6 +384,27 @@ def _check_compressed_tensors(
     notes.append(f"kv_cache_scheme: {qc.kv_cache_scheme}")
 
 
+def validate_checkpoint(model_dir: Path) -> ValidationReport:
+    return validate(local_view(model_dir))
+
+
+def validate_remote(repo_id: str, revision: str = "main", endpoint: str | None = None) -> ValidationReport:
+    return validate(remote_view(resolve_snapshot(repo_id, revision, endpoint), endpoint))
+
+
+def publish_report(report: ValidationReport, key: str) -> None:
+    """The per-role table (count, dtype, bytes) and the violations, as one Prefect table artifact."""
+    rows = [dict(row, rule="", message="") for row in report.summary]
+    rows += [{"role": "violation", "storage": "", "dtype": "", "modules": 1, "bytes": 0, "rule": v.rule,
+              "message": f"{v.module}: {v.message}"} for v in report.violations]
+    create_table_artifact(key=key, table=rows, description=f"{report.source}: {report.verdict}")
+
+
 @task(name="validate-checkpoint", tags=["validate"])
 def validate_checkpoint_task(model_dir: Path) -> ValidationReport:
     return validate_checkpoint(model_dir)
+
+
+@task(name="validate-remote", tags=["validate"], retries=2, retry_delay_seconds=[5, 30])
+def validate_remote_task(snapshot: RepoSnapshot, endpoint: str | None = None) -> ValidationReport:
+    return validate(remote_view(snapshot, endpoint))

@@ -15,7 +15,7 @@ from flows.deploy import deploy_model, prepare_model
 from tasks.disk import DiskSpaceError
 from tasks.hub import HubError
 from tasks.server import ServerStartError
-from tasks.validate import CheckpointError
+from tasks.headers import CheckpointError
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 
@@ -65,7 +65,7 @@ def test_demo_deploys_benchmarks_and_publishes(tmp_path):
     summary = artifact("bench-summary-demo-tiny-moe")
     assert f"{rows[0]['output_throughput']:.1f} output tok/s" in summary.data
     assert "TP=1, EP=on" in summary.data
-    assert "**Verdict:** pass" in artifact("validation-demo-tiny-moe-int4").data
+    assert "**Verdict:** pass" in artifact("validation-local-demo-tiny-moe-int4").data
     assert vllm_processes() == []
 
 

@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 from flows.cli import app
 from flows.demo import BF16_REPO, INT4_REPO
 from flows.demo.checkpoint import quantization_config
-from tasks.validate import CheckpointError, engine_names, match_name, validate_checkpoint
+from tasks.headers import CheckpointError
+from tasks.validate import engine_names, match_name, validate_checkpoint
 
 HIDDEN, INTER, EXPERTS = 64, 32, 4
 KIMI_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*layers\.0\.mlp\..*"]
@@ -78,7 +79,7 @@ def test_kimi_layout_passes_and_notes_the_unnamed_vision_tower(tmp_path):
     assert report.modules_packed == 3 * EXPERTS
     assert any("2 vision/projector modules" in n for n in report.notes)
     assert report.warnings == []  # "lm_head" reaches language_model.lm_head as vLLM names it
-    assert 0 < report.header_bytes_read < (tmp_path / "m" / "model.safetensors").stat().st_size
+    assert 0 < report.bytes_read < (tmp_path / "m" / "model.safetensors").stat().st_size
 
 
 def _attention_packed(t):

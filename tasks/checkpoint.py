@@ -1,0 +1,125 @@
+"""A checkpoint's config, index and safetensors headers, from a local folder or from the Hub.
+
+Validation reads a CheckpointView and never cares where it came from, so `rollout validate REPO_ID`
+(before download, range requests only) and `rollout validate DIR` (after) give the same verdict.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from tasks.hub import RepoSnapshot
+from tasks.headers import CheckpointError, FileHeader, TensorMeta, read_int_values, read_local_header, read_remote_header
+
+INDEX_FILE = "model.safetensors.index.json"
+ValueReader = Callable[[list[TensorMeta]], dict[TensorMeta, tuple[int, ...]]]
+
+
+@dataclass
+class CheckpointView:
+    source: str
+    config: dict
+    headers: list[FileHeader]
+    weight_map: dict[str, str] | None
+    stored_shards: set[str]  # every *.safetensors file the checkpoint has
+    missing_shards: set[str]  # named by the weight map but absent
+    total_bytes: int
+    bytes_read: int
+    read_values: ValueReader | None  # None where reading tensor values would cost a request each
+
+
+def _json(data: bytes, where: str) -> dict:
+    try:
+        value = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{where}: not valid JSON ({exc})") from exc
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{where}: not a JSON object")
+    return value
+
+
+def _weight_map(index: dict, where: str) -> dict[str, str]:
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{where}: weight_map is missing or not a name -> file mapping")
+    return weight_map
+
+
+def local_view(model_dir: Path) -> CheckpointView:
+    if not model_dir.is_dir():
+        raise CheckpointError(f"{model_dir}: not a directory")
+    config_path = model_dir / "config.json"
+    try:
+        config_bytes = config_path.read_bytes()
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{config_path}: missing") from exc
+    config = _json(config_bytes, str(config_path))
+    read = len(config_bytes)
+    weight_map = None
+    if (index_path := model_dir / INDEX_FILE).exists():
+        index_bytes = index_path.read_bytes()
+        read += len(index_bytes)
+        weight_map = _weight_map(_json(index_bytes, str(index_path)), str(index_path))
+    stored = {p.name for p in model_dir.glob("*.safetensors")}
+    named = set(weight_map.values()) if weight_map else set()
+    if not stored:
+        raise CheckpointError(f"{model_dir}: no *.safetensors files")
+    headers = [read_local_header(model_dir / name) for name in sorted(stored)]
+
+    def read_values(metas: list[TensorMeta]) -> dict[TensorMeta, tuple[int, ...]]:
+        by_file: dict[str, list[TensorMeta]] = defaultdict(list)
+        for m in metas:
+            by_file[m.file].append(m)
+        return {k: v for f, ms in by_file.items() for k, v in read_int_values(model_dir / f, ms).items()}
+
+    return CheckpointView(
+        source=str(model_dir), config=config, headers=headers, weight_map=weight_map, stored_shards=stored,
+        missing_shards=named - stored, total_bytes=sum(h.file_size for h in headers),
+        bytes_read=read + sum(h.header_bytes for h in headers), read_values=read_values,
+    )
+
+
+def remote_view(snapshot: RepoSnapshot, endpoint: str | None = None) -> CheckpointView:
+    """Config and index by GET, headers by range requests; no shard is downloaded."""
+    from huggingface_hub import hf_hub_url
+    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+    repo_id = snapshot.repo_id
+    sizes = {f.path: f.size for f in snapshot.files}
+    http_headers = build_hf_headers()  # the token comes from HF_TOKEN / the login, never an argument
+    source = f"{repo_id}@{snapshot.commit[:12]}"
+
+    def url(name: str) -> str:
+        return hf_hub_url(repo_id, name, revision=snapshot.commit, endpoint=endpoint)
+
+    def get(name: str) -> bytes:
+        if name not in sizes:
+            raise CheckpointError(f"{source}: {name}: missing")
+        r = get_session().get(url(name), headers=http_headers, follow_redirects=True, timeout=30)
+        hf_raise_for_status(r)
+        return r.content
+
+    config_bytes = get("config.json")
+    config = _json(config_bytes, f"{source}: config.json")
+    read = len(config_bytes)
+    weight_map = None
+    if INDEX_FILE in sizes:
+        index_bytes = get(INDEX_FILE)
+        read += len(index_bytes)
+        weight_map = _weight_map(_json(index_bytes, f"{source}: {INDEX_FILE}"), f"{source}: {INDEX_FILE}")
+    stored = {p for p in sizes if p.endswith(".safetensors") and "/" not in p}
+    if not stored:
+        raise CheckpointError(f"{source}: no *.safetensors files")
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        headers = list(pool.map(lambda n: read_remote_header(url(n), n, sizes[n], http_headers), sorted(stored)))
+    named = set(weight_map.values()) if weight_map else set()
+    return CheckpointView(
+        source=source, config=config, headers=headers, weight_map=weight_map, stored_shards=stored,
+        missing_shards=named - stored, total_bytes=sum(h.file_size for h in headers),
+        bytes_read=read + sum(h.header_bytes for h in headers), read_values=None,
+    )

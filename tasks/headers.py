@@ -1,0 +1,143 @@
+"""safetensors headers, from a local file or from the Hub by range requests, treated as hostile.
+
+One parser serves both paths so a checkpoint gets the same verdict before and after download. A
+header is bounded (length, offsets, dtypes) before it is trusted: a corrupt or malicious shard must
+give a one-line error, never a crash or a multi-GB allocation. Only headers are read, plus the
+2-value weight_shape tensors of local files; the bytes read are counted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+# safetensors' own reader refuses headers above 100 MB; Kimi-K2.5's largest is a few MB.
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+    "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
+    "U32": 4, "I32": 4, "F32": 4,
+    "U64": 8, "I64": 8, "F64": 8, "C64": 8,
+}
+_INT_FORMATS = {"I32": "i", "I64": "q", "U32": "I", "U64": "Q", "I16": "h", "U16": "H", "I8": "b", "U8": "B"}
+
+
+class CheckpointError(ValueError):
+    """The checkpoint cannot be read at all (missing dir, bad JSON, hostile or broken header)."""
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    dtype: str
+    shape: tuple[int, ...]
+    start: int  # absolute byte offsets in the file
+    end: int
+    file: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class FileHeader:
+    file: str
+    file_size: int
+    header_bytes: int  # 8-byte length prefix plus the JSON header
+    tensors: dict[str, TensorMeta]
+
+
+def parse_header(file: str, file_size: int, read: Callable[[int, int], bytes]) -> FileHeader:
+    """Parse one header through read(offset, length), refusing anything out of bounds."""
+    if file_size < 8:
+        raise CheckpointError(f"{file}: {file_size} bytes is too short for a safetensors file")
+    (length,) = struct.unpack("<Q", read(0, 8))
+    if length > MAX_HEADER_BYTES or 8 + length > file_size:
+        raise CheckpointError(
+            f"{file}: header claims {length} bytes but the file has {file_size} (limit {MAX_HEADER_BYTES})"
+        )
+    try:
+        raw = json.loads(read(8, length))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{file}: header is not valid JSON ({exc})") from exc
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{file}: header is not a JSON object")
+    data_start, data_len = 8 + length, file_size - 8 - length
+    tensors: dict[str, TensorMeta] = {}
+    for name, entry in raw.items():
+        if name == "__metadata__":
+            continue
+        tensors[name] = _tensor(file, name, entry, data_start, data_len)
+    spans = sorted((t.start, t.end, n) for n, t in tensors.items() if t.end > t.start)
+    for (_, prev_end, prev), (start, _, name) in zip(spans, spans[1:]):
+        if start < prev_end:
+            raise CheckpointError(f"{file}: tensors {prev} and {name} overlap in the data section")
+    return FileHeader(file=file, file_size=file_size, header_bytes=8 + length, tensors=tensors)
+
+
+def _tensor(file: str, name: str, entry: object, data_start: int, data_len: int) -> TensorMeta:
+    if not isinstance(entry, dict):
+        raise CheckpointError(f"{file}: tensor {name}: entry is not an object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in DTYPE_BYTES:
+        raise CheckpointError(f"{file}: tensor {name}: unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise CheckpointError(f"{file}: tensor {name}: shape {shape!r} is not a list of sizes")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= data_len):
+        raise CheckpointError(f"{file}: tensor {name}: data_offsets {offsets!r} outside the {data_len}-byte data section")
+    if offsets[1] - offsets[0] != math.prod(shape) * DTYPE_BYTES[dtype]:
+        raise CheckpointError(f"{file}: tensor {name}: {offsets[1] - offsets[0]} bytes for {dtype}{shape}")
+    return TensorMeta(dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1], file)
+
+
+def read_local_header(path: Path) -> FileHeader:
+    size = path.stat().st_size
+    with path.open("rb") as fh:
+        def read(offset: int, length: int) -> bytes:
+            fh.seek(offset)
+            return fh.read(length)
+
+        return parse_header(path.name, size, read)
+
+
+def read_int_values(path: Path, metas: list[TensorMeta]) -> dict[TensorMeta, tuple[int, ...]]:
+    """The values of small integer tensors (weight_shape), in one pass over the file in offset order."""
+    values = {}
+    with path.open("rb") as fh:
+        for meta in sorted(metas, key=lambda m: m.start):
+            fmt = _INT_FORMATS.get(meta.dtype)
+            if fmt is None:
+                continue
+            fh.seek(meta.start)
+            values[meta] = struct.unpack(f"<{math.prod(meta.shape)}{fmt}", fh.read(meta.nbytes))
+    return values
+
+
+def read_remote_header(url: str, file: str, file_size: int, headers: dict[str, str]) -> FileHeader:
+    """Two range requests: the 8-byte length, then exactly the header."""
+    from huggingface_hub.utils import get_session, hf_raise_for_status
+
+    session = get_session()
+
+    def read(offset: int, length: int) -> bytes:
+        # Streamed, so a server that ignores Range (200, whole file) costs only the bytes kept.
+        with session.stream("GET", url, headers={**headers, "Range": f"bytes={offset}-{offset + length - 1}"},
+                            follow_redirects=True, timeout=30) as r:
+            hf_raise_for_status(r)
+            skip = offset if r.status_code == 200 else 0
+            body = bytearray()
+            for chunk in r.iter_bytes():
+                body += chunk
+                if len(body) >= skip + length:
+                    break
+        body = bytes(body[skip: skip + length])
+        if len(body) != length:
+            raise CheckpointError(f"{file}: asked the hub for {length} bytes at {offset}, got {len(body)}")
+        return body
+
+    return parse_header(file, file_size, read)
