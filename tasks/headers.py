@@ -8,12 +8,13 @@ give a one-line error, never a crash or a multi-GB allocation. Only headers are 
 
 from __future__ import annotations
 
-import json
 import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
+
+import orjson
 
 # safetensors' own reader refuses headers above 100 MB; Kimi-K2.5's largest is a few MB.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -30,8 +31,7 @@ class CheckpointError(ValueError):
     """The checkpoint cannot be read at all (missing dir, bad JSON, hostile or broken header)."""
 
 
-@dataclass(frozen=True)
-class TensorMeta:
+class TensorMeta(NamedTuple):  # a tuple: 200k of them are built per Kimi-sized checkpoint
     dtype: str
     shape: tuple[int, ...]
     start: int  # absolute byte offsets in the file
@@ -61,8 +61,8 @@ def parse_header(file: str, file_size: int, read: Callable[[int, int], bytes]) -
             f"{file}: header claims {length} bytes but the file has {file_size} (limit {MAX_HEADER_BYTES})"
         )
     try:
-        raw = json.loads(read(8, length))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raw = orjson.loads(read(8, length))  # ships with prefect; ~2x json's speed on 30 MB of headers
+    except orjson.JSONDecodeError as exc:
         raise CheckpointError(f"{file}: header is not valid JSON ({exc})") from exc
     if not isinstance(raw, dict):
         raise CheckpointError(f"{file}: header is not a JSON object")
@@ -80,18 +80,26 @@ def parse_header(file: str, file_size: int, read: Callable[[int, int], bytes]) -
 
 
 def _tensor(file: str, name: str, entry: object, data_start: int, data_len: int) -> TensorMeta:
-    if not isinstance(entry, dict):
-        raise CheckpointError(f"{file}: tensor {name}: entry is not an object")
+    """One header entry, checked with C-speed operations: a Kimi-sized checkpoint has 200k of them."""
+    where = f"{file}: tensor {name}"
+    if type(entry) is not dict:
+        raise CheckpointError(f"{where}: entry is not an object")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in DTYPE_BYTES:
-        raise CheckpointError(f"{file}: tensor {name}: unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise CheckpointError(f"{file}: tensor {name}: shape {shape!r} is not a list of sizes")
-    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
+    width = DTYPE_BYTES.get(dtype) if type(dtype) is str else None
+    if width is None:
+        raise CheckpointError(f"{where}: unknown dtype {dtype!r}")
+    # prod of a list is an int only when every element is one: floats, strings, lists fall out here.
+    try:
+        count = math.prod(shape) if type(shape) is list else None
+    except TypeError:
+        count = None
+    if type(count) is not int or (shape and min(shape) < 0):
+        raise CheckpointError(f"{where}: shape {shape!r} is not a list of sizes")
+    if (type(offsets) is not list or len(offsets) != 2 or type(offsets[0]) is not int or type(offsets[1]) is not int
             or not 0 <= offsets[0] <= offsets[1] <= data_len):
-        raise CheckpointError(f"{file}: tensor {name}: data_offsets {offsets!r} outside the {data_len}-byte data section")
-    if offsets[1] - offsets[0] != math.prod(shape) * DTYPE_BYTES[dtype]:
-        raise CheckpointError(f"{file}: tensor {name}: {offsets[1] - offsets[0]} bytes for {dtype}{shape}")
+        raise CheckpointError(f"{where}: data_offsets {offsets!r} outside the {data_len}-byte data section")
+    if offsets[1] - offsets[0] != count * width:
+        raise CheckpointError(f"{where}: {offsets[1] - offsets[0]} bytes for {dtype}{shape}")
     return TensorMeta(dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1], file)
 
 

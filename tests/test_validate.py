@@ -15,7 +15,9 @@ from flows.cli import app
 from flows.demo import BF16_REPO, INT4_REPO
 from flows.demo.checkpoint import quantization_config
 from tasks.headers import CheckpointError
-from tasks.validate import engine_names, match_name, validate_checkpoint
+from flows.demo.hub_server import LocalHub
+from flows.demo.sparse import write_sparse_kimi
+from tasks.validate import engine_names, match_name, validate_checkpoint, validate_remote
 
 HIDDEN, INTER, EXPERTS = 64, 32, 4
 KIMI_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*layers\.0\.mlp\..*"]
@@ -57,10 +59,11 @@ def kimi_like_tensors() -> dict[str, torch.Tensor]:
     return t
 
 
-def write(dir_: Path, tensors: dict, ignore=KIMI_IGNORE, quant: dict | None | str = "default") -> Path:
+def write(dir_: Path, tensors: dict, ignore=KIMI_IGNORE, quant: dict | None | str = "default", layers: int = 2) -> Path:
     dir_.mkdir(parents=True, exist_ok=True)
     save_file(tensors, dir_ / "model.safetensors")
-    config = {"architectures": ["KimiK25ForConditionalGeneration"], "text_config": {"vocab_size": 128}}
+    config = {"architectures": ["KimiK25ForConditionalGeneration"],
+              "text_config": {"vocab_size": 128, "num_hidden_layers": layers, "n_routed_experts": EXPERTS}}
     if quant == "default":
         config["quantization_config"] = quantization_config(ignore)
     elif quant is not None:
@@ -162,14 +165,14 @@ def _llama_attention(q_ignored_only: bool) -> tuple[dict, list[str]]:
 
 def test_ignore_entry_naming_a_fused_module_covers_its_parts(tmp_path):
     tensors, ignore = _llama_attention(q_ignored_only=False)
-    report = validate_checkpoint(write(tmp_path / "m", tensors, ignore=ignore))
+    report = validate_checkpoint(write(tmp_path / "m", tensors, ignore=ignore, layers=1))
     assert report.verdict == "pass", report.violations
     assert report.warnings == []
 
 
 def test_fused_parts_that_disagree_fail(tmp_path):
     tensors, ignore = _llama_attention(q_ignored_only=True)
-    report = validate_checkpoint(write(tmp_path / "m", tensors, ignore=ignore))
+    report = validate_checkpoint(write(tmp_path / "m", tensors, ignore=ignore, layers=1))
     assert "fused-parts-disagree" in rules(report)
     assert any(v.module == "model.layers.0.self_attn.qkv_proj" for v in report.violations)
 
@@ -255,3 +258,115 @@ def test_cli_bad_json_exit_2_names_the_file(tmp_path):
     result = runner.invoke(app, ["validate", str(model), "--json"])
     assert result.exit_code == 2
     assert re.search(r"config\.json: not valid JSON", result.stderr)
+
+
+def _split(dir_: Path, tensors: dict, names: list[str], weight_map_edit=None) -> Path:
+    """Two shards plus an index, the way sharded checkpoints are stored."""
+    write(dir_, {})
+    (dir_ / "model.safetensors").unlink()
+    keys = sorted(tensors)
+    half = len(keys) // 2
+    parts = {names[0]: keys[:half], names[1]: keys[half:]}
+    weight_map = {}
+    for file, ks in parts.items():
+        save_file({k: tensors[k] for k in ks}, dir_ / file)
+        weight_map |= {k: file for k in ks}
+    if weight_map_edit:
+        weight_map_edit(weight_map)
+    (dir_ / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return dir_
+
+
+SHARDS = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+
+
+def test_sharded_checkpoint_with_a_true_index_passes(tmp_path):
+    assert validate_checkpoint(_split(tmp_path / "m", kimi_like_tensors(), SHARDS)).verdict == "pass"
+
+
+def test_index_naming_a_missing_shard_fails(tmp_path):
+    model = _split(tmp_path / "m", kimi_like_tensors(), SHARDS)
+    (model / SHARDS[1]).unlink()
+    report = validate_checkpoint(model)
+    assert ("weight-map-missing-file", SHARDS[1]) in {(v.rule, v.module) for v in report.violations}
+
+
+def test_shard_the_index_never_names_fails(tmp_path):
+    model = _split(tmp_path / "m", kimi_like_tensors(), SHARDS)
+    save_file({"stray.weight": torch.zeros(2)}, model / "model-00003-of-00002.safetensors")
+    report = validate_checkpoint(model)
+    assert ("shard-not-in-weight-map", "model-00003-of-00002.safetensors") in {(v.rule, v.module) for v in report.violations}
+
+
+def test_index_pointing_at_the_wrong_shard_fails(tmp_path):
+    def move_one(weight_map):
+        name = next(k for k, v in weight_map.items() if v == SHARDS[0])
+        weight_map[name] = SHARDS[1]
+
+    report = validate_checkpoint(_split(tmp_path / "m", kimi_like_tensors(), SHARDS, move_one))
+    assert "weight-map-mismatch" in rules(report)
+
+
+@pytest.mark.parametrize("field, value, rule", [("num_hidden_layers", 3, "config-layer-count"),
+                                                ("n_routed_experts", 8, "config-expert-count")])
+def test_config_counts_must_describe_the_tensors(tmp_path, field, value, rule):
+    model = write(tmp_path / "m", kimi_like_tensors())
+    config = json.loads((model / "config.json").read_text())
+    config["text_config"][field] = value
+    (model / "config.json").write_text(json.dumps(config))
+    assert rule in rules(validate_checkpoint(model))
+
+
+def _publish(root: Path, repo: str, tensors: dict) -> Path:
+    return write(root / repo, tensors)
+
+
+@pytest.mark.parametrize("mutate", [None, _attention_packed, _expert_unpacked, _scale_missing])
+def test_hub_headers_by_range_requests_give_the_local_verdict(tmp_path, mutate):
+    tensors = kimi_like_tensors()
+    if mutate:
+        mutate(tensors)
+    model = _split(tmp_path / "hub" / "org" / "kimi", tensors, SHARDS)
+    local = validate_checkpoint(model)
+    with LocalHub(tmp_path / "hub") as hub:
+        remote = validate_remote("org/kimi", "main", hub.endpoint)
+        sent = hub.file_bytes_sent
+    assert remote.verdict == local.verdict
+    assert [(v.rule, v.module) for v in remote.violations] == [(v.rule, v.module) for v in local.violations]
+    assert remote.summary == local.summary
+    shard_bytes = sum((model / s).stat().st_size for s in SHARDS)
+    assert remote.bytes_read == sent  # every byte read came from the hub, and only those
+    assert sent < shard_bytes / 4  # headers and config only, never the tensor data
+
+
+def test_cli_validates_a_repo_id_before_download(tmp_path):
+    model = _split(tmp_path / "hub" / "org" / "kimi", kimi_like_tensors(), SHARDS)
+    with LocalHub(tmp_path / "hub") as hub:
+        remote = runner.invoke(app, ["validate", "org/kimi", "--endpoint", hub.endpoint, "--json"])
+        missing = runner.invoke(app, ["validate", "org/absent", "--endpoint", hub.endpoint, "--json"])
+    local = runner.invoke(app, ["validate", str(model), "--json"])
+    assert remote.exit_code == local.exit_code == 0, remote.output
+    assert json.loads(remote.stdout)["verdict"] == json.loads(local.stdout)["verdict"] == "pass"
+    assert missing.exit_code == 2 and "org/absent not found" in missing.stderr
+
+
+def test_kimi_sized_sparse_checkpoint_reads_under_a_ten_thousandth(tmp_path):
+    total = write_sparse_kimi(tmp_path / "kimi")
+    assert total > 500 * 10**9
+    report = validate_checkpoint(tmp_path / "kimi")
+    assert report.verdict == "pass", report.violations[:3]
+    assert report.files == 64 and report.modules_packed == 60 * 384 * 3
+    assert report.bytes_read / total < 1e-4
+    roles = {(r["role"], r["storage"]) for r in report.summary}
+    assert ("routed expert", "packed") in roles and ("attention", "unquantized") in roles
+
+
+def test_planted_violation_in_the_kimi_sized_checkpoint_is_found(tmp_path):
+    model = tmp_path / "kimi"
+    write_sparse_kimi(model)
+    config = json.loads((model / "config.json").read_text())
+    config["quantization_config"]["ignore"].remove("re:.*shared_experts.*")
+    (model / "config.json").write_text(json.dumps(config))
+    report = validate_checkpoint(model)
+    assert rules(report) == {"targeted-module-unpacked"}
+    assert len(report.violations) == 60 * 3  # every shared-expert projection of every MoE layer

@@ -66,6 +66,7 @@ class LocalHub:
         self.root = root
         self._repos: dict[str, LocalRepo] = {}
         self._lock = threading.Lock()
+        self.file_bytes_sent = 0  # file content served, so tests can tell range reads from downloads
         hub = self
 
         class Handler(_Handler):
@@ -198,3 +199,5 @@ class _Handler(BaseHTTPRequestHandler):
             while remaining > 0 and (chunk := fh.read(min(1 << 20, remaining))):
                 self.wfile.write(chunk)
                 remaining -= len(chunk)
+                with self.local_hub._lock:
+                    self.local_hub.file_bytes_sent += len(chunk)
