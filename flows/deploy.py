@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field, field_validator
 
 from tasks.bench import bench_level
 from tasks.disk import GB, check_disk
-from tasks.gpu import probe_gpus
+from tasks.gpu import HardwarePlan, check_hardware_task, kv_cache_is_fp8, probe_gpus
 from tasks.hub import fetch_file_task, missing_bytes, resolve_snapshot_task, snapshot_dir
 from tasks.report import model_slug, publish_results
 from tasks.server import ServerConfig, reap_stale, start_and_wait, stop_server
@@ -41,6 +41,8 @@ class DeployConfig(BaseModel):
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM --tensor-parallel-size (8 on an 8-GPU box)")
     enable_expert_parallel: bool = Field(True, description="vLLM --enable-expert-parallel for MoE models")
     max_model_len: int | None = Field(None, ge=16, description="vLLM --max-model-len; empty keeps the model's")
+    kv_cache_dtype: str = Field("auto", description="vLLM --kv-cache-dtype; fp8 fails on SM120 (RTX PRO 6000)")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vLLM --gpu-memory-utilization")
     port: int = Field(8000, ge=0, le=65535, description="Server port; 0 picks a free one")
     startup_timeout_s: float = Field(1800, gt=0, description="Load deadline; a 1T model takes 5-15 minutes")
     extra_vllm_args: list[str] = Field(default_factory=list, description="Further vLLM flags, passed verbatim")
@@ -153,8 +155,17 @@ def deploy_model(config: DeployConfig) -> DeployResult:
     prepared = prepare_model.with_options(
         task_runner=ThreadPoolTaskRunner(max_workers=config.max_parallel_downloads)
     )(config)
-    gpu = probe_gpus(config.tensor_parallel_size)
+    gpu = probe_gpus()
     logger.info("platform %s: %s", gpu.platform, ", ".join(g.name for g in gpu.gpus) or gpu.reason)
+    slug = model_slug(config.repo_id)
+    plan = HardwarePlan(
+        tensor_parallel_size=config.tensor_parallel_size,
+        weights_bytes=prepared.validation.total_bytes,
+        kv_cache_fp8=kv_cache_is_fp8(prepared.validation.kv_cache_scheme, config.kv_cache_dtype),
+        gpu_memory_utilization=config.gpu_memory_utilization,
+    )
+    for warning in check_hardware_task(gpu, plan, f"hardware-{slug}"):
+        logger.warning("%s: %s", warning.rule, warning.message)
 
     env = {"VLLM_ENGINE_READY_TIMEOUT_S": str(int(config.startup_timeout_s))}
     if gpu.platform == "cpu":
@@ -165,11 +176,12 @@ def deploy_model(config: DeployConfig) -> DeployResult:
         tensor_parallel_size=config.tensor_parallel_size,
         enable_expert_parallel=config.enable_expert_parallel,
         max_model_len=config.max_model_len,
+        kv_cache_dtype=config.kv_cache_dtype,
+        gpu_memory_utilization=config.gpu_memory_utilization if gpu.platform == "cuda" else None,
         port=config.port,
         extra_args=config.extra_vllm_args,
         env={**env, **config.vllm_env},
     )
-    slug = model_slug(config.repo_id)
     handle = start_and_wait(server_cfg, config.run_dir, config.startup_timeout_s, f"server-failure-{slug}")
     try:
         logger.info("vLLM ready at %s", handle.base_url)

@@ -11,10 +11,13 @@ from types import ModuleType
 from typing import Literal
 
 from prefect import task
+from prefect.artifacts import create_markdown_artifact
+
+from tasks.validate import Violation
 
 
 class GpuConfigError(RuntimeError):
-    """The requested parallelism cannot run on this host."""
+    """The deployment cannot run on this host's GPUs."""
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,7 @@ class GpuProbe:
     gpus: tuple[GpuInfo, ...] = ()
     driver: str | None = None
     reason: str | None = None  # why the probe found no GPU
+    interconnect: Literal["nvlink", "pcie", "single"] = "single"  # "pcie" when any GPU pair lacks NVLink
 
 
 def _text(value: str | bytes) -> str:
@@ -62,22 +66,99 @@ def probe(nvml: ModuleType | None = None) -> GpuProbe:
                 )
             )
         driver = _text(nvml.nvmlSystemGetDriverVersion())
+        interconnect = _interconnect(nvml, [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)])
     finally:
         nvml.nvmlShutdown()
     if not gpus:
         return GpuProbe(platform="cpu", driver=driver, reason="NVML found no devices")
-    return GpuProbe(platform="cuda", gpus=tuple(gpus), driver=driver)
+    return GpuProbe(platform="cuda", gpus=tuple(gpus), driver=driver, interconnect=interconnect)
 
 
-def check_parallelism(gpu: GpuProbe, tensor_parallel_size: int) -> GpuProbe:
-    """Fail before launch when TP cannot be placed; on CPU, vLLM's own CPU backend runs it."""
-    if gpu.platform == "cuda" and tensor_parallel_size > len(gpu.gpus):
-        raise GpuConfigError(
-            f"tensor_parallel_size={tensor_parallel_size} but this host has {len(gpu.gpus)} GPU(s)"
-        )
-    return gpu
+def _interconnect(nvml: ModuleType, handles: list) -> Literal["nvlink", "pcie", "single"]:
+    """NVLink only if every pair can do P2P over it; allreduce runs at the slowest pair's speed."""
+    if len(handles) < 2:
+        return "single"
+    for i, a in enumerate(handles):
+        for b in handles[i + 1:]:
+            try:
+                status = nvml.nvmlDeviceGetP2PStatus(a, b, nvml.NVML_P2P_CAPS_INDEX_NVLINK)
+            except Exception:  # older drivers lack the query: assume the slower path
+                return "pcie"
+            if status != nvml.NVML_P2P_STATUS_OK:
+                return "pcie"
+    return "nvlink"
+
+
+@dataclass(frozen=True)
+class HardwarePlan:
+    """What the deployment will ask of the GPUs."""
+
+    tensor_parallel_size: int
+    weights_bytes: int
+    kv_cache_fp8: bool  # from the checkpoint's kv_cache_scheme or --kv-cache-dtype fp8*
+    gpu_memory_utilization: float = 0.9
+    kv_cache_reserve_bytes: int = 4 * 10**9
+
+
+def check_hardware(gpu: GpuProbe, plan: HardwarePlan) -> list[Violation]:
+    """Blocking problems as violations (rule ids stable); the PCIe warning has rule pcie-tensor-parallel."""
+    if gpu.platform != "cuda":
+        return []
+    found = []
+    if plan.tensor_parallel_size > len(gpu.gpus):
+        found.append(Violation(rule="tp-exceeds-gpus", module="tensor_parallel_size",
+                               message=f"TP={plan.tensor_parallel_size} but this host has {len(gpu.gpus)} GPU(s)"))
+    sm12 = [g for g in gpu.gpus if g.compute_capability[0] == 12]
+    if plan.kv_cache_fp8 and sm12:
+        found.append(Violation(
+            rule="fp8-kv-cache-on-sm12x", module="kv_cache",
+            message=f"FP8 KV cache on compute capability 12.x ({sm12[0].name}) fails in vLLM's attention "
+                    "backends there; serve with --kv-cache-dtype auto (bf16 KV)"))
+    used = gpu.gpus[: plan.tensor_parallel_size]
+    per_gpu = plan.weights_bytes / plan.tensor_parallel_size
+    for g in used:
+        budget = g.memory_total_bytes * plan.gpu_memory_utilization
+        if per_gpu + plan.kv_cache_reserve_bytes > budget:
+            found.append(Violation(
+                rule="weights-exceed-gpu-memory", module=f"gpu{g.index}",
+                message=f"{per_gpu / 1e9:.1f} GB of weights per GPU at TP={plan.tensor_parallel_size} + "
+                        f"{plan.kv_cache_reserve_bytes / 1e9:.1f} GB KV reserve > {budget / 1e9:.1f} GB "
+                        f"({plan.gpu_memory_utilization:.0%} of {g.memory_total_bytes / 1e9:.0f} GB)"))
+            break
+    return found
+
+
+def hardware_warnings(gpu: GpuProbe, plan: HardwarePlan) -> list[Violation]:
+    if gpu.platform == "cuda" and gpu.interconnect == "pcie" and plan.tensor_parallel_size > 2:
+        return [Violation(rule="pcie-tensor-parallel", module="interconnect",
+                          message=f"TP={plan.tensor_parallel_size} over PCIe only: every layer's allreduce crosses "
+                                  "PCIe; expect single-stream decode well below an NVLink box")]
+    return []
+
+
+def kv_cache_is_fp8(kv_cache_scheme: dict | None, kv_cache_dtype: str) -> bool:
+    if kv_cache_dtype.startswith("fp8"):
+        return True
+    return bool(kv_cache_scheme) and kv_cache_scheme.get("type") == "float" and kv_cache_scheme.get("num_bits") == 8
 
 
 @task(name="probe-gpus", tags=["gpu"])
-def probe_gpus(tensor_parallel_size: int) -> GpuProbe:
-    return check_parallelism(probe(), tensor_parallel_size)
+def probe_gpus() -> GpuProbe:
+    return probe()
+
+
+@task(name="check-hardware", tags=["gpu"])
+def check_hardware_task(gpu: GpuProbe, plan: HardwarePlan, artifact_key: str) -> list[Violation]:
+    """Publish the verdict; raise on a blocking problem so nothing is started on a box that cannot serve."""
+    blocking, warnings = check_hardware(gpu, plan), hardware_warnings(gpu, plan)
+    gpus = ", ".join(f"{g.name} (cc {g.compute_capability[0]}.{g.compute_capability[1]}, "
+                     f"{g.memory_total_bytes / 1e9:.0f} GB)" for g in gpu.gpus) or f"none ({gpu.reason})"
+    lines = [f"# Hardware check: {'fail' if blocking else 'pass'}", "", f"- **GPUs:** {gpus}",
+             f"- **Interconnect:** {gpu.interconnect}", f"- **Driver:** {gpu.driver}",
+             f"- **Plan:** TP={plan.tensor_parallel_size}, {plan.weights_bytes / 1e9:.1f} GB weights, "
+             f"FP8 KV {'yes' if plan.kv_cache_fp8 else 'no'}, gpu_memory_utilization {plan.gpu_memory_utilization}"]
+    lines += [f"- `{v.rule}` {v.message}" for v in blocking + warnings]
+    create_markdown_artifact(key=artifact_key, markdown="\n".join(lines), description="GPU and config check")
+    if blocking:
+        raise GpuConfigError(f"{blocking[0].rule}: {blocking[0].message}")
+    return warnings

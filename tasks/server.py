@@ -54,6 +54,8 @@ class ServerConfig(BaseModel):
     tensor_parallel_size: int = Field(1, ge=1)
     enable_expert_parallel: bool = False
     max_model_len: int | None = Field(None, ge=16)
+    kv_cache_dtype: str = "auto"
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535, description="0 picks a free port")
     extra_args: list[str] = Field(default_factory=list)
@@ -85,7 +87,27 @@ def build_command(cfg: ServerConfig, port: int) -> list[str]:
         cmd.append("--enable-expert-parallel")
     if cfg.max_model_len:
         cmd += ["--max-model-len", str(cfg.max_model_len)]
+    if cfg.kv_cache_dtype != "auto":
+        cmd += ["--kv-cache-dtype", cfg.kv_cache_dtype]
+    if cfg.gpu_memory_utilization is not None:
+        cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
     return cmd + cfg.extra_args
+
+
+def check_arguments(command: list[str], timeout_s: float = 120.0) -> None:
+    """Refuse a command line the installed vLLM would reject, before any weights are loaded."""
+    args = command[command.index("vllm.entrypoints.openai.api_server") + 1:]
+    try:
+        result = subprocess.run([sys.executable, "-m", "tasks.vllm_args", *args], capture_output=True, text=True,
+                                timeout=timeout_s, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as exc:
+        raise ServerStartError(f"vLLM's argument parser did not answer in {timeout_s:.0f} s", "exited", "") from exc
+    if result.returncode != 0:
+        tail = "\n".join((result.stdout + result.stderr).splitlines()[-LOG_TAIL_LINES:])
+        errors = [ln for ln in tail.splitlines() if "error:" in ln]
+        line = errors[-1].strip() if errors else tail.splitlines()[-1] if tail else "no output"
+        raise ServerStartError(f"vLLM refuses the command line (invalid-argument): {line[:300]}", "invalid-argument",
+                               tail)
 
 
 def _free_port(host: str) -> int:
@@ -124,9 +146,10 @@ def start_server(cfg: ServerConfig, run_dir: Path) -> ServerHandle:
         raise ServerStartError(f"model path {cfg.model_path} does not exist", "model-path-missing", "")
     port = cfg.port or _free_port(cfg.host)
     ensure_port_free(cfg.host, port)
+    command = build_command(cfg, port)
+    check_arguments(command)
     run_dir.mkdir(parents=True, exist_ok=True)
     log_path = run_dir / "vllm.log"
-    command = build_command(cfg, port)
     env = {**os.environ, **cfg.env}
     with log_path.open("wb") as log:
         proc = subprocess.Popen(

@@ -84,6 +84,7 @@ class ValidationReport(BaseModel):
     modules_unquantized: int
     total_bytes: int
     bytes_read: int
+    kv_cache_scheme: dict | None = None
     summary: list[dict] = Field(default_factory=list, description="module role/storage/dtype -> count, bytes")
 
 
@@ -361,6 +362,7 @@ def validate(view: CheckpointView) -> ValidationReport:
         modules_unquantized=sum(m.unquantized and not m.packed for m in modules.values()),
         total_bytes=view.total_bytes,
         bytes_read=bytes_read,
+        kv_cache_scheme=raw.get("kv_cache_scheme") if isinstance(raw, dict) else None,
         summary=_summary(modules, kinds),
     )
 

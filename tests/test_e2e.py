@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
+from fake_nvml import FakeNvml
+
 from flows.demo import BF16_REPO, demo_config, run_demo
 from flows.deploy import deploy_model, prepare_model
 from tasks.disk import DiskSpaceError
+from tasks.gpu import GpuConfigError
 from tasks.hub import HubError
 from tasks.server import ServerStartError
 from tasks.headers import CheckpointError
@@ -66,6 +70,8 @@ def test_demo_deploys_benchmarks_and_publishes(tmp_path):
     assert f"{rows[0]['output_throughput']:.1f} output tok/s" in summary.data
     assert "TP=1, EP=on" in summary.data
     assert "**Verdict:** pass" in artifact("validation-local-demo-tiny-moe-int4").data
+    assert "**Verdict:** pass" in artifact("validation-remote-demo-tiny-moe").data
+    assert "Hardware check: pass" in artifact("hardware-demo-tiny-moe").data
     assert vllm_processes() == []
 
 
@@ -100,3 +106,13 @@ def test_unreadable_config_json_names_the_file(local_hub, hub_root, tmp_path):
     (broken / "config.json").write_text('{"architectures": [')
     with pytest.raises(CheckpointError, match=r"config\.json: not valid JSON"):
         prepare_model(demo_config(local_hub.endpoint, tmp_path / "models", repo_id="demo/broken-config"))
+
+
+def test_fp8_kv_cache_on_sm120_is_refused_before_vllm_starts(local_hub, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml())  # 8x RTX PRO 6000 Blackwell, PCIe
+    config = demo_config(local_hub.endpoint, tmp_path / "models", tensor_parallel_size=8, kv_cache_dtype="fp8")
+    with pytest.raises(GpuConfigError, match="fp8-kv-cache-on-sm12x"):
+        deploy_model(config)
+    report = artifact("hardware-demo-tiny-moe").data
+    assert "Hardware check: fail" in report and "pcie-tensor-parallel" in report
+    assert vllm_processes() == [] and not (tmp_path / "models" / ".rollout" / "vllm.log").exists()

@@ -1,70 +1,83 @@
-"""The probe against a described NVML: 8x RTX PRO 6000 Blackwell (SM120, 96 GB), or none at all."""
-
-from types import SimpleNamespace
+"""The probe and the hardware rules against described NVMLs: 8x RTX PRO 6000 (SM120, 96 GB, PCIe),
+8x H200 (SM90, 141 GB, NVLink), and a host without a driver."""
 
 import pytest
+from fake_nvml import GB, FakeNvml
 
-from tasks.gpu import GpuConfigError, check_parallelism, probe
+from tasks.gpu import HardwarePlan, check_hardware, hardware_warnings, kv_cache_is_fp8, probe
 
-GB = 10**9
-
-
-class FakeNvml:
-    def __init__(self, count=8, name="NVIDIA RTX PRO 6000 Blackwell Server Edition", cc=(12, 0), total=96 * GB,
-                 fail_init=None):
-        self.count, self.name, self.cc, self.total, self.fail_init = count, name, cc, total, fail_init
-        self.shutdowns = 0
-
-    def nvmlInit(self):
-        if self.fail_init:
-            raise self.fail_init
-
-    def nvmlShutdown(self):
-        self.shutdowns += 1
-
-    def nvmlDeviceGetCount(self):
-        return self.count
-
-    def nvmlDeviceGetHandleByIndex(self, i):
-        return i
-
-    def nvmlDeviceGetName(self, h):
-        return self.name.encode()  # older bindings return bytes
-
-    def nvmlDeviceGetMemoryInfo(self, h):
-        return SimpleNamespace(total=self.total, free=self.total - GB * (h + 1), used=GB * (h + 1))
-
-    def nvmlDeviceGetCudaComputeCapability(self, h):
-        return self.cc
-
-    def nvmlSystemGetDriverVersion(self):
-        return "580.95.05"
+KIMI_INT4_BYTES = 595 * GB
 
 
-def test_probe_describes_eight_sm120_gpus():
+def rtx_pro_6000():
+    return probe(FakeNvml())
+
+
+def h200():
+    return probe(FakeNvml(name="NVIDIA H200", cc=(9, 0), total=141 * GB, nvlink=True))
+
+
+def test_probe_describes_eight_sm120_gpus_on_pcie():
     nvml = FakeNvml()
     result = probe(nvml)
-    assert result.platform == "cuda"
-    assert len(result.gpus) == 8
+    assert result.platform == "cuda" and len(result.gpus) == 8
     assert {g.compute_capability for g in result.gpus} == {(12, 0)}
     assert result.gpus[0].name.startswith("NVIDIA RTX PRO 6000")
     assert result.gpus[3].memory_free_bytes == 92 * GB
     assert result.driver == "580.95.05"
+    assert result.interconnect == "pcie"
     assert nvml.shutdowns == 1
+
+
+def test_probe_sees_nvlink_on_h200():
+    assert h200().interconnect == "nvlink"
 
 
 def test_no_driver_means_cpu_not_an_error():
     result = probe(FakeNvml(fail_init=OSError("NVML Shared Library Not Found")))
     assert result.platform == "cpu"
     assert "NVML Shared Library Not Found" in result.reason
+    assert check_hardware(result, HardwarePlan(8, KIMI_INT4_BYTES, kv_cache_fp8=True)) == []
 
 
 def test_zero_devices_means_cpu():
     assert probe(FakeNvml(count=0)).platform == "cpu"
 
 
-def test_tensor_parallel_larger_than_gpu_count_is_refused():
-    gpus = probe(FakeNvml())
-    assert check_parallelism(gpus, 8) is gpus
-    with pytest.raises(GpuConfigError, match="tensor_parallel_size=16 but this host has 8"):
-        check_parallelism(gpus, 16)
+def test_kimi_int4_fits_both_boxes_at_tp8():
+    plan = HardwarePlan(8, KIMI_INT4_BYTES, kv_cache_fp8=False)
+    assert check_hardware(rtx_pro_6000(), plan) == []
+    assert check_hardware(h200(), plan) == []
+
+
+def test_fp8_kv_cache_is_blocked_on_sm120_only():
+    plan = HardwarePlan(8, 540 * GB, kv_cache_fp8=True)  # the NVFP4 sibling with its FP8 KV cache
+    rules = [v.rule for v in check_hardware(rtx_pro_6000(), plan)]
+    assert rules == ["fp8-kv-cache-on-sm12x"]
+    assert check_hardware(h200(), plan) == []
+
+
+def test_weights_that_do_not_fit_at_low_tp_are_blocked():
+    found = check_hardware(rtx_pro_6000(), HardwarePlan(4, KIMI_INT4_BYTES, kv_cache_fp8=False))
+    assert [v.rule for v in found] == ["weights-exceed-gpu-memory"]
+    assert "148.8 GB of weights per GPU at TP=4" in found[0].message
+
+
+def test_tp_beyond_the_gpu_count_is_blocked():
+    found = check_hardware(rtx_pro_6000(), HardwarePlan(16, KIMI_INT4_BYTES, kv_cache_fp8=False))
+    assert "tp-exceeds-gpus" in [v.rule for v in found]
+
+
+def test_pcie_tensor_parallel_beyond_two_is_a_warning():
+    plan = HardwarePlan(8, KIMI_INT4_BYTES, kv_cache_fp8=False)
+    assert [w.rule for w in hardware_warnings(rtx_pro_6000(), plan)] == ["pcie-tensor-parallel"]
+    assert hardware_warnings(h200(), plan) == []
+    assert hardware_warnings(rtx_pro_6000(), HardwarePlan(2, 100 * GB, kv_cache_fp8=False)) == []
+
+
+@pytest.mark.parametrize("scheme, dtype, fp8", [
+    (None, "auto", False), ({"num_bits": 8, "type": "float", "strategy": "tensor"}, "auto", True),
+    (None, "fp8_e4m3", True), ({"num_bits": 8, "type": "int"}, "auto", False),
+])
+def test_fp8_kv_cache_is_read_from_the_checkpoint_or_the_flag(scheme, dtype, fp8):
+    assert kv_cache_is_fp8(scheme, dtype) is fp8
