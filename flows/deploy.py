@@ -20,7 +20,7 @@ from tasks.disk import GB, check_disk
 from tasks.gpu import HardwarePlan, check_hardware_task, kv_cache_is_fp8, probe_gpus
 from tasks.hub import fetch_file_task, missing_bytes, resolve_snapshot_task, snapshot_dir
 from tasks.report import model_slug, publish_results
-from tasks.server import ServerConfig, reap_stale, start_and_wait, stop_server
+from tasks.server import ServerConfig, publish_facts, reap_stale, start_and_wait, stop_server
 from tasks.validate import ValidationReport, publish_report, validate_checkpoint_task, validate_remote_task
 
 
@@ -184,7 +184,8 @@ def deploy_model(config: DeployConfig) -> DeployResult:
     )
     handle = start_and_wait(server_cfg, config.run_dir, config.startup_timeout_s, f"server-failure-{slug}")
     try:
-        logger.info("vLLM ready at %s", handle.base_url)
+        logger.info("vLLM ready at %s after %.0f s", handle.base_url, handle.startup_s)
+        server = publish_facts(handle, handle.startup_s, f"server-{slug}")
         vocab = _vocab_size(prepared.model_dir)
         rows = [
             bench_level(handle.base_url, server_cfg.served_model_name, c, max(config.requests_per_level, c),
@@ -198,6 +199,8 @@ def deploy_model(config: DeployConfig) -> DeployResult:
         "Platform": gpu.platform + (f" ({len(gpu.gpus)}x {gpu.gpus[0].name})" if gpu.gpus else ""),
         "Parallelism": f"TP={config.tensor_parallel_size}, EP={'on' if config.enable_expert_parallel else 'off'}",
         "Lengths": f"input {config.input_len}, output {config.output_len} tokens",
+        "vLLM": f"{server['vllm_version']}, ready in {server['startup_s']} s, KV cache "
+                f"{server.get('kv_cache_tokens', '?')} tokens",
     }
     publish_results(rows, config.repo_id, facts)
     return DeployResult(prepared=prepared, platform=gpu.platform, results=rows)

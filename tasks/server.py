@@ -17,9 +17,10 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import httpx
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, Field
@@ -52,10 +53,16 @@ class ServerConfig(BaseModel):
     model_path: Path
     served_model_name: str
     tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    data_parallel_size: int = Field(1, ge=1)
     enable_expert_parallel: bool = False
+    all2all_backend: str | None = Field(None, description="--all2all-backend (was VLLM_ALL2ALL_BACKEND)")
     max_model_len: int | None = Field(None, ge=16)
+    max_num_seqs: int | None = Field(None, ge=1)
+    max_num_batched_tokens: int | None = Field(None, ge=1)
     kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    trust_remote_code: bool = False
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535, description="0 picks a free port")
     extra_args: list[str] = Field(default_factory=list)
@@ -71,6 +78,7 @@ class ServerHandle:
     state_file: Path
     command: list[str]
     process: subprocess.Popen | None = None  # None when reattached from a state file
+    startup_s: float | None = None
 
 
 def build_command(cfg: ServerConfig, port: int) -> list[str]:
@@ -83,14 +91,25 @@ def build_command(cfg: ServerConfig, port: int) -> list[str]:
         "--port", str(port),
         "--tensor-parallel-size", str(cfg.tensor_parallel_size),
     ]
+    if cfg.pipeline_parallel_size > 1:
+        cmd += ["--pipeline-parallel-size", str(cfg.pipeline_parallel_size)]
+    if cfg.data_parallel_size > 1:
+        cmd += ["--data-parallel-size", str(cfg.data_parallel_size)]
     if cfg.enable_expert_parallel:
         cmd.append("--enable-expert-parallel")
-    if cfg.max_model_len:
-        cmd += ["--max-model-len", str(cfg.max_model_len)]
-    if cfg.kv_cache_dtype != "auto":
-        cmd += ["--kv-cache-dtype", cfg.kv_cache_dtype]
-    if cfg.gpu_memory_utilization is not None:
-        cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+    optional = {
+        "--all2all-backend": cfg.all2all_backend,
+        "--max-model-len": cfg.max_model_len,
+        "--max-num-seqs": cfg.max_num_seqs,
+        "--max-num-batched-tokens": cfg.max_num_batched_tokens,
+        "--kv-cache-dtype": None if cfg.kv_cache_dtype == "auto" else cfg.kv_cache_dtype,
+        "--gpu-memory-utilization": cfg.gpu_memory_utilization,
+    }
+    for flag, value in optional.items():
+        if value is not None:
+            cmd += [flag, str(value)]
+    if cfg.trust_remote_code:
+        cmd.append("--trust-remote-code")
     return cmd + cfg.extra_args
 
 
@@ -188,12 +207,48 @@ def _failed(handle: ServerHandle, what: str, cause: str | None = None) -> Server
     return ServerStartError(f"vLLM {what} ({cause}): {line[:300]}", cause, log_tail(handle.log_path))
 
 
-def wait_ready(handle: ServerHandle, model_name: str, timeout_s: float, poll_s: float = 2.0) -> float:
+# Start-up milestones worth a line in the Prefect log while a 1T model loads for 5-15 minutes.
+PROGRESS = re.compile(r"Loading weights took|Model loading took|KV cache size|Maximum concurrency|init engine|"
+                      r"Graph capturing finished|Starting vLLM server")
+FACTS = {
+    "kv_cache_tokens": r"KV cache size: ([\d,]+) tokens",
+    "max_concurrency": r"Maximum concurrency for [\d,]+ tokens per request: ([\d.]+x)",
+    "weights_load_s": r"Loading weights took ([\d.]+) s",
+    "model_load_s": r"Model loading took [\d.]+ GiB (?:memory )?and ([\d.]+) s",
+    "engine_init_s": r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s",
+    "graph_capture_s": r"Graph capturing finished in ([\d.]+) s",
+}
+
+
+def server_facts(log: str) -> dict[str, str]:
+    """What vLLM reported about itself at start-up, by the phrases it logs (absent ones left out)."""
+    return {key: m[1] for key, pattern in FACTS.items() if (m := re.search(pattern, log))}
+
+
+def _follow(path: Path, offset: int, report: Callable[[str], None]) -> int:
+    """Pass new progress lines of the log to report(); returns the new read offset."""
+    try:
+        with path.open("rb") as fh:
+            fh.seek(offset)
+            chunk = fh.read()
+    except FileNotFoundError:
+        return offset
+    complete = chunk[: chunk.rfind(b"\n") + 1]
+    for line in complete.decode(errors="replace").splitlines():
+        if PROGRESS.search(line):
+            report(line.strip())
+    return offset + len(complete)
+
+
+def wait_ready(handle: ServerHandle, model_name: str, timeout_s: float, poll_s: float = 2.0,
+               report: Callable[[str], None] = lambda line: None) -> float:
     """Ready means /health, the model listed in /v1/models, and one real token generated."""
     started = time.monotonic()
     deadline = started + timeout_s
+    offset = 0
     with httpx.Client(base_url=handle.base_url, timeout=10.0) as http:
         while time.monotonic() < deadline:
+            offset = _follow(handle.log_path, offset, report)
             if handle.process is not None and (code := handle.process.poll()) is not None:
                 raise _failed(handle, f"exited with code {code} during start-up")
             try:
@@ -265,8 +320,23 @@ def publish_failure(err: ServerStartError, key: str) -> None:
 
 
 @task(name="start-vllm", tags=["vllm"], cache_policy=NO_CACHE)
+def publish_facts(handle: ServerHandle, startup_s: float, key: str) -> dict[str, str]:
+    """The serving facts a run is compared by later: version, command, KV cache, start-up phases."""
+    try:
+        version = httpx.get(f"{handle.base_url}/version", timeout=10).json().get("version", "unknown")
+    except (httpx.HTTPError, ValueError):
+        version = "unknown"
+    facts = {"vllm_version": version, "startup_s": f"{startup_s:.1f}",
+             **server_facts(handle.log_path.read_text(errors="replace"))}
+    lines = ["# vLLM server", ""] + [f"- **{k}:** {v}" for k, v in facts.items()]
+    lines += ["", "```", " ".join(handle.command), "```"]
+    create_markdown_artifact(key=key, markdown="\n".join(lines), description=f"vLLM {version} ready in {startup_s:.0f} s")
+    return facts
+
+
 def start_and_wait(cfg: ServerConfig, run_dir: Path, timeout_s: float, artifact_key: str) -> ServerHandle:
     """Start vLLM and block until it serves; on failure stop the group and keep the log tail."""
+    logger = get_run_logger()
     reap_stale(run_dir / "server.json")
     try:
         handle = start_server(cfg, run_dir)
@@ -274,7 +344,7 @@ def start_and_wait(cfg: ServerConfig, run_dir: Path, timeout_s: float, artifact_
         publish_failure(err, artifact_key)
         raise
     try:
-        wait_ready(handle, cfg.served_model_name, timeout_s)
+        handle.startup_s = wait_ready(handle, cfg.served_model_name, timeout_s, report=logger.info)
     except BaseException as err:
         stop_server(handle)
         if isinstance(err, ServerStartError):

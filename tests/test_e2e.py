@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+from prefect.client.schemas.sorting import ArtifactSort
 
 from fake_nvml import FakeNvml
 
@@ -39,8 +40,10 @@ def vllm_processes() -> list[int]:
 
 
 def artifact(key: str):
+    """The newest artifact under key: the session's flows publish some keys more than once."""
     with get_client(sync_client=True) as client:
-        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])),
+                                      sort=ArtifactSort.CREATED_DESC, limit=1)
     assert found, f"no artifact {key}"
     return found[0]
 
@@ -72,17 +75,40 @@ def test_demo_deploys_benchmarks_and_publishes(tmp_path):
     assert "**Verdict:** pass" in artifact("validation-local-demo-tiny-moe-int4").data
     assert "**Verdict:** pass" in artifact("validation-remote-demo-tiny-moe").data
     assert "Hardware check: pass" in artifact("hardware-demo-tiny-moe").data
+    server = artifact("server-demo-tiny-moe").data
+    assert "**vllm_version:** 0." in server and "**kv_cache_tokens:**" in server
+    assert "--enable-expert-parallel" in server
+    roles = json.loads(artifact("validation-table-local-demo-tiny-moe-int4").data)
+    assert {"role": "routed expert", "storage": "packed", "dtype": "I32", "modules": 24} in [
+        {k: r[k] for k in ("role", "storage", "dtype", "modules")} for r in roles]
     assert vllm_processes() == []
 
 
-def test_vllm_dying_at_startup_fails_with_cause_and_log_tail(local_hub, tmp_path):
-    config = demo_config(local_hub.endpoint, tmp_path / "models", extra_vllm_args=["--no-such-flag"])
+def test_unknown_flag_is_refused_before_launch_naming_it(local_hub, tmp_path):
+    config = demo_config(local_hub.endpoint, tmp_path / "models", extra_vllm_args=["--disable-log-requests"])
     with pytest.raises(ServerStartError) as info:
         deploy_model(config)
     assert info.value.cause == "invalid-argument"
-    assert "\n" not in str(info.value) and "--no-such-flag" in str(info.value)
+    assert "\n" not in str(info.value) and "--disable-log-requests" in str(info.value)
     failure = artifact("server-failure-demo-tiny-moe")
-    assert "invalid-argument" in failure.data and "--no-such-flag" in failure.data
+    assert "invalid-argument" in failure.data and "--disable-log-requests" in failure.data
+    assert vllm_processes() == []
+    assert not (tmp_path / "models" / ".rollout" / "vllm.log").exists()  # nothing was launched
+
+
+def test_vllm_dying_at_startup_fails_with_cause_and_log_tail(local_hub, hub_root, tmp_path):
+    repo = "demo/unknown-architecture"
+    shutil.copytree(hub_root / BF16_REPO, hub_root / repo)
+    config_path = hub_root / repo / "config.json"
+    config = json.loads(config_path.read_text())
+    config.update(architectures=["NoSuchModelForCausalLM"], model_type="no_such_model")
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(ServerStartError) as info:
+        deploy_model(demo_config(local_hub.endpoint, tmp_path / "models", repo_id=repo))
+    assert info.value.cause == "unsupported-model", str(info.value)
+    assert "\n" not in str(info.value)
+    failure = artifact("server-failure-demo-unknown-architecture")
+    assert "unsupported-model" in failure.data and "no_such_model" in failure.data
     assert vllm_processes() == []
     assert not (tmp_path / "models" / ".rollout" / "server.json").exists()
 

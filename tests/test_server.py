@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import socket
 import subprocess
@@ -14,9 +15,11 @@ from tasks.server import (
     ServerConfig,
     ServerStartError,
     build_command,
+    check_arguments,
     classify_failure,
     group_members,
     reap_stale,
+    server_facts,
     start_server,
     stop_group,
 )
@@ -49,9 +52,22 @@ def test_command_carries_parallelism_flags():
     assert cmd[-2:] == ["--all2all-backend", "pplx"]
 
 
-def test_expert_parallel_off_omits_the_flag():
+def test_defaults_leave_vllm_its_own_defaults():
     cmd = build_command(ServerConfig(model_path=Path("/m"), served_model_name="m"), 8000)
-    assert "--enable-expert-parallel" not in cmd
+    for flag in ("--enable-expert-parallel", "--kv-cache-dtype", "--max-num-seqs", "--data-parallel-size",
+                 "--trust-remote-code", "--all2all-backend"):
+        assert flag not in cmd
+
+
+def test_every_typed_field_reaches_the_command_line():
+    cfg = ServerConfig(model_path=Path("/m"), served_model_name="m", data_parallel_size=2, pipeline_parallel_size=2,
+                       all2all_backend="deepep_low_latency", max_num_seqs=256, max_num_batched_tokens=16384,
+                       kv_cache_dtype="fp8", gpu_memory_utilization=0.92, trust_remote_code=True)
+    joined = " ".join(build_command(cfg, 8000))
+    for part in ("--data-parallel-size 2", "--pipeline-parallel-size 2", "--all2all-backend deepep_low_latency",
+                 "--max-num-seqs 256", "--max-num-batched-tokens 16384", "--kv-cache-dtype fp8",
+                 "--gpu-memory-utilization 0.92", "--trust-remote-code"):
+        assert part in joined
 
 
 @pytest.mark.parametrize(
@@ -116,3 +132,41 @@ def test_port_in_use_fails_before_launch(tmp_path):
         with pytest.raises(ServerStartError, match=f"port 127.0.0.1:{port} is already in use") as info:
             start_server(ServerConfig(model_path=tmp_path, served_model_name="m", port=port), tmp_path)
     assert info.value.cause == "port-in-use"
+
+
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+
+
+@needs_vllm
+def test_installed_vllm_parser_refuses_a_removed_flag_by_name():
+    cfg = ServerConfig(model_path=Path("/m"), served_model_name="m", extra_args=["--disable-log-requests"])
+    with pytest.raises(ServerStartError, match="unrecognized arguments: --disable-log-requests") as info:
+        check_arguments(build_command(cfg, 8000))
+    assert info.value.cause == "invalid-argument"
+
+
+@needs_vllm
+def test_installed_vllm_parser_accepts_the_commands_we_build():
+    cfg = ServerConfig(model_path=Path("/m"), served_model_name="m", tensor_parallel_size=8,
+                       enable_expert_parallel=True, all2all_backend="allgather_reducescatter", max_model_len=4096,
+                       max_num_seqs=128, max_num_batched_tokens=8192, kv_cache_dtype="fp8",
+                       gpu_memory_utilization=0.92, data_parallel_size=2, trust_remote_code=True)
+    check_arguments(build_command(cfg, 8000))
+
+
+GPU_LOG = """\
+(Worker_TP0 pid=11) INFO [default_loader.py:501] Loading weights took 412.37 seconds
+(Worker_TP0 pid=11) INFO [gpu_model_runner.py:2020] Model loading took 74.31 GiB memory and 418.02 seconds
+(EngineCore pid=9) INFO [kv_cache_utils.py:1100] GPU KV cache size: 1,013,760 tokens
+(EngineCore pid=9) INFO [kv_cache_utils.py:1104] Maximum concurrency for 65,536 tokens per request: 15.47x
+(Worker_TP0 pid=11) INFO [gpu_model_runner.py:2500] Graph capturing finished in 41 secs, took 2.10 GiB
+(EngineCore pid=9) INFO [core.py:402] init engine (profile, create kv cache, warmup model) took 97.11 s
+"""
+
+
+def test_startup_facts_and_phases_are_read_from_the_log():
+    assert server_facts(GPU_LOG) == {
+        "kv_cache_tokens": "1,013,760", "max_concurrency": "15.47x", "weights_load_s": "412.37",
+        "model_load_s": "418.02", "engine_init_s": "97.11", "graph_capture_s": "41",
+    }
+    assert server_facts("INFO nothing here") == {}
