@@ -115,18 +115,23 @@ def deploy(
     from pydantic import ValidationError
 
     from flows.deploy import DeployConfig, deploy_model
+    from tasks.server import VllmSettings
 
     _exit_on_sigterm()
     try:
         config = DeployConfig(
-            repo_id=repo_id, revision=revision, models_root=models_root, tensor_parallel_size=tp,
-            enable_expert_parallel=expert_parallel, max_model_len=max_model_len, port=port,
+            repo_id=repo_id, revision=revision, models_root=models_root, port=port,
+            vllm=VllmSettings(tensor_parallel_size=tp, enable_expert_parallel=expert_parallel,
+                              max_model_len=max_model_len, extra_args=vllm_arg or []),
             concurrency_levels=[int(c) for c in concurrency.split(",") if c.strip()],
             requests_per_level=requests_per_level, input_len=input_len, output_len=output_len,
-            extra_vllm_args=vllm_arg or [],
         )
-    except (ValidationError, ValueError) as exc:
-        typer.echo(f"error: bad option: {str(exc).splitlines()[0]}", err=True)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        typer.echo(f"error: bad option {'.'.join(str(p) for p in err['loc'])}: {err['msg']}", err=True)
+        raise typer.Exit(2)
+    except ValueError as exc:
+        typer.echo(f"error: bad option --concurrency {concurrency!r}: {exc}", err=True)
         raise typer.Exit(2)
     try:
         result = deploy_model(config)

@@ -20,7 +20,7 @@ from tasks.disk import GB, check_disk
 from tasks.gpu import HardwarePlan, check_hardware_task, kv_cache_is_fp8, probe_gpus
 from tasks.hub import fetch_file_task, missing_bytes, resolve_snapshot_task, snapshot_dir
 from tasks.report import model_slug, publish_results
-from tasks.server import ServerConfig, publish_facts, reap_stale, start_and_wait, stop_server
+from tasks.server import ServerConfig, VllmSettings, publish_facts, reap_stale, start_and_wait, stop_server
 from tasks.validate import ValidationReport, publish_report, validate_checkpoint_task, validate_remote_task
 
 
@@ -38,15 +38,10 @@ class DeployConfig(BaseModel):
     disk_margin_gb: float = Field(10.0, ge=0, description="Free space to keep beyond the model's size")
     max_parallel_downloads: int = Field(8, ge=1, le=64, description="Files fetched at once")
     served_model_name: str | None = Field(None, description="Name clients use; defaults to repo_id")
-    tensor_parallel_size: int = Field(1, ge=1, description="vLLM --tensor-parallel-size (8 on an 8-GPU box)")
-    enable_expert_parallel: bool = Field(True, description="vLLM --enable-expert-parallel for MoE models")
-    max_model_len: int | None = Field(None, ge=16, description="vLLM --max-model-len; empty keeps the model's")
-    kv_cache_dtype: str = Field("auto", description="vLLM --kv-cache-dtype; fp8 fails on SM120 (RTX PRO 6000)")
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vLLM --gpu-memory-utilization")
+    vllm: VllmSettings = Field(default_factory=lambda: VllmSettings(enable_expert_parallel=True),
+                               description="vLLM engine settings")
     port: int = Field(8000, ge=0, le=65535, description="Server port; 0 picks a free one")
     startup_timeout_s: float = Field(1800, gt=0, description="Load deadline; a 1T model takes 5-15 minutes")
-    extra_vllm_args: list[str] = Field(default_factory=list, description="Further vLLM flags, passed verbatim")
-    vllm_env: dict[str, str] = Field(default_factory=dict, description="Environment for the vLLM process")
     concurrency_levels: list[int] = Field([1, 4, 16, 64], min_length=1, description="Requests in flight per level")
     requests_per_level: int = Field(64, ge=1, description="Requests per level (at least the level's concurrency)")
     input_len: int = Field(1024, ge=1, description="Prompt tokens per request")
@@ -159,10 +154,10 @@ def deploy_model(config: DeployConfig) -> DeployResult:
     logger.info("platform %s: %s", gpu.platform, ", ".join(g.name for g in gpu.gpus) or gpu.reason)
     slug = model_slug(config.repo_id)
     plan = HardwarePlan(
-        tensor_parallel_size=config.tensor_parallel_size,
+        tensor_parallel_size=config.vllm.tensor_parallel_size,
         weights_bytes=prepared.validation.total_bytes,
-        kv_cache_fp8=kv_cache_is_fp8(prepared.validation.kv_cache_scheme, config.kv_cache_dtype),
-        gpu_memory_utilization=config.gpu_memory_utilization,
+        kv_cache_fp8=kv_cache_is_fp8(prepared.validation.kv_cache_scheme, config.vllm.kv_cache_dtype),
+        gpu_memory_utilization=config.vllm.gpu_memory_utilization or 0.9,  # vLLM's default
     )
     for warning in check_hardware_task(gpu, plan, f"hardware-{slug}"):
         logger.warning("%s: %s", warning.rule, warning.message)
@@ -171,16 +166,11 @@ def deploy_model(config: DeployConfig) -> DeployResult:
     if gpu.platform == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB; the default would take a large share of RAM
     server_cfg = ServerConfig(
+        **config.vllm.model_dump(exclude={"env"}),
+        env={**env, **config.vllm.env},
         model_path=prepared.model_dir,
         served_model_name=config.served_model_name or config.repo_id,
-        tensor_parallel_size=config.tensor_parallel_size,
-        enable_expert_parallel=config.enable_expert_parallel,
-        max_model_len=config.max_model_len,
-        kv_cache_dtype=config.kv_cache_dtype,
-        gpu_memory_utilization=config.gpu_memory_utilization if gpu.platform == "cuda" else None,
         port=config.port,
-        extra_args=config.extra_vllm_args,
-        env={**env, **config.vllm_env},
     )
     handle = start_and_wait(server_cfg, config.run_dir, config.startup_timeout_s, f"server-failure-{slug}")
     try:
@@ -197,7 +187,7 @@ def deploy_model(config: DeployConfig) -> DeployResult:
     facts = {
         "Revision": f"{config.revision} ({prepared.commit[:12]})",
         "Platform": gpu.platform + (f" ({len(gpu.gpus)}x {gpu.gpus[0].name})" if gpu.gpus else ""),
-        "Parallelism": f"TP={config.tensor_parallel_size}, EP={'on' if config.enable_expert_parallel else 'off'}",
+        "Parallelism": f"TP={config.vllm.tensor_parallel_size}, EP={'on' if config.vllm.enable_expert_parallel else 'off'}",
         "Lengths": f"input {config.input_len}, output {config.output_len} tokens",
         "vLLM": f"{server['vllm_version']}, ready in {server['startup_s']} s, KV cache "
                 f"{server.get('kv_cache_tokens', '?')} tokens",

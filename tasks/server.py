@@ -47,26 +47,32 @@ class ServerStartError(RuntimeError):
         self.log_tail = log_tail
 
 
-class ServerConfig(BaseModel):
-    """The vLLM flags this project sets; anything else goes through extra_args verbatim."""
+class VllmSettings(BaseModel):
+    """The engine settings an operator chooses (the UI shows them as one group); anything vLLM
+    has beyond these goes through extra_args verbatim. None leaves vLLM's own default."""
+
+    tensor_parallel_size: int = Field(1, ge=1, description="--tensor-parallel-size (8 on an 8-GPU box)")
+    pipeline_parallel_size: int = Field(1, ge=1, description="--pipeline-parallel-size")
+    data_parallel_size: int = Field(1, ge=1, description="--data-parallel-size")
+    enable_expert_parallel: bool = Field(False, description="--enable-expert-parallel for MoE models")
+    all2all_backend: str | None = Field(None, description="--all2all-backend (was VLLM_ALL2ALL_BACKEND)")
+    max_model_len: int | None = Field(None, ge=16, description="--max-model-len; empty keeps the model's")
+    max_num_seqs: int | None = Field(None, ge=1, description="--max-num-seqs")
+    max_num_batched_tokens: int | None = Field(None, ge=1, description="--max-num-batched-tokens")
+    kv_cache_dtype: str = Field("auto", description="--kv-cache-dtype; fp8 fails on SM120 (RTX PRO 6000)")
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="--gpu-memory-utilization (0.9)")
+    trust_remote_code: bool = Field(False, description="--trust-remote-code")
+    extra_args: list[str] = Field(default_factory=list, description="Further vLLM flags, passed verbatim")
+    env: dict[str, str] = Field(default_factory=dict, description="Environment for the vLLM process")
+
+
+class ServerConfig(VllmSettings):
+    """One launch: the settings plus what the flow decides (model path, name, address)."""
 
     model_path: Path
     served_model_name: str
-    tensor_parallel_size: int = Field(1, ge=1)
-    pipeline_parallel_size: int = Field(1, ge=1)
-    data_parallel_size: int = Field(1, ge=1)
-    enable_expert_parallel: bool = False
-    all2all_backend: str | None = Field(None, description="--all2all-backend (was VLLM_ALL2ALL_BACKEND)")
-    max_model_len: int | None = Field(None, ge=16)
-    max_num_seqs: int | None = Field(None, ge=1)
-    max_num_batched_tokens: int | None = Field(None, ge=1)
-    kv_cache_dtype: str = "auto"
-    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
-    trust_remote_code: bool = False
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535, description="0 picks a free port")
-    extra_args: list[str] = Field(default_factory=list)
-    env: dict[str, str] = Field(default_factory=dict)
 
 
 @dataclass

@@ -85,7 +85,7 @@ def test_demo_deploys_benchmarks_and_publishes(tmp_path):
 
 
 def test_unknown_flag_is_refused_before_launch_naming_it(local_hub, tmp_path):
-    config = demo_config(local_hub.endpoint, tmp_path / "models", extra_vllm_args=["--disable-log-requests"])
+    config = demo_config(local_hub.endpoint, tmp_path / "models", extra_args=["--disable-log-requests"])
     with pytest.raises(ServerStartError) as info:
         deploy_model(config)
     assert info.value.cause == "invalid-argument"

@@ -28,16 +28,18 @@ def build_demo_repos(hub_root: Path) -> None:
 
 
 def demo_config(endpoint: str, models_root: Path, **overrides):
+    """The demo's DeployConfig; an override named like a VllmSettings field goes to `vllm`."""
     from flows.deploy import DeployConfig
+    from tasks.server import VllmSettings
 
+    vllm = dict(tensor_parallel_size=1, enable_expert_parallel=True, max_model_len=1024)
+    vllm |= {k: overrides.pop(k) for k in list(overrides) if k in VllmSettings.model_fields}
     settings = dict(
         repo_id=BF16_REPO,
         models_root=models_root,
         hub_endpoint=endpoint,
         disk_margin_gb=0.1,
-        tensor_parallel_size=1,
-        enable_expert_parallel=True,
-        max_model_len=1024,
+        vllm=VllmSettings(**vllm),
         port=0,
         startup_timeout_s=600,
         concurrency_levels=[1, 2, 4],

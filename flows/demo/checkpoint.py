@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 # Values vLLM's CPU build accepts (see shared/notes/field-facts.md): MLA head dim 576, noaux_tc.
 TINY_CONFIG = dict(
