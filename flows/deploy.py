@@ -11,6 +11,7 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
+from prefect.blocks.system import Secret
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.futures import wait
 from pydantic import BaseModel, Field, field_validator
@@ -18,6 +19,7 @@ from pydantic import BaseModel, Field, field_validator
 from tasks.bench import bench_level
 from tasks.disk import GB, check_disk
 from tasks.gpu import HardwarePlan, check_hardware_task, kv_cache_is_fp8, probe_gpus
+from tasks.host_lock import host_lock
 from tasks.hub import fetch_file_task, missing_bytes, resolve_snapshot_task, snapshot_dir
 from tasks.report import model_slug, publish_results
 from tasks.server import ServerConfig, VllmSettings, publish_facts, reap_stale, start_and_wait, stop_server
@@ -41,6 +43,7 @@ class DeployConfig(BaseModel):
     vllm: VllmSettings = Field(default_factory=lambda: VllmSettings(enable_expert_parallel=True),
                                description="vLLM engine settings")
     port: int = Field(8000, ge=0, le=65535, description="Server port; 0 picks a free one")
+    api_key_secret: str | None = Field(None, description="Prefect Secret block holding the server's API key")
     startup_timeout_s: float = Field(1800, gt=0, description="Load deadline; a 1T model takes 5-15 minutes")
     concurrency_levels: list[int] = Field([1, 4, 16, 64], min_length=1, description="Requests in flight per level")
     requests_per_level: int = Field(64, ge=1, description="Requests per level (at least the level's concurrency)")
@@ -143,6 +146,12 @@ def _reap_server(flow, flow_run, state) -> None:
 
 @flow(name="deploy-model", on_cancellation=[_reap_server], on_crashed=[_reap_server])
 def deploy_model(config: DeployConfig) -> DeployResult:
+    # The host lock comes first: reaping a "stale" server is only safe when no other deploy runs.
+    with host_lock():
+        return _deploy(config)
+
+
+def _deploy(config: DeployConfig) -> DeployResult:
     logger = get_run_logger()
     reaped = reap_stale(config.run_dir / "server.json")
     if reaped:
@@ -172,14 +181,15 @@ def deploy_model(config: DeployConfig) -> DeployResult:
         served_model_name=config.served_model_name or config.repo_id,
         port=config.port,
     )
-    handle = start_and_wait(server_cfg, config.run_dir, config.startup_timeout_s, f"server-failure-{slug}")
+    api_key = Secret.load(config.api_key_secret).get() if config.api_key_secret else None
+    handle = start_and_wait(server_cfg, config.run_dir, config.startup_timeout_s, f"server-failure-{slug}", api_key)
     try:
         logger.info("vLLM ready at %s after %.0f s", handle.base_url, handle.startup_s)
         server = publish_facts(handle, handle.startup_s, f"server-{slug}")
         vocab = _vocab_size(prepared.model_dir)
         rows = [
             bench_level(handle.base_url, server_cfg.served_model_name, c, max(config.requests_per_level, c),
-                        config.input_len, config.output_len, vocab, config.seed)
+                        config.input_len, config.output_len, vocab, config.seed, api_key=api_key)
             for c in config.concurrency_levels
         ]
     finally:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from openai import AsyncOpenAI
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 
 @dataclass
@@ -80,8 +81,8 @@ async def _one_request(client: AsyncOpenAI, model: str, prompt: list[int], outpu
 
 
 async def _run_level(base_url: str, model: str, concurrency: int, prompts: list[list[int]], output_len: int,
-                     timeout_s: float) -> tuple[list[RequestRecord], float]:
-    client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="EMPTY", max_retries=0, timeout=timeout_s)
+                     timeout_s: float, api_key: str | None) -> tuple[list[RequestRecord], float]:
+    client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key=api_key or "EMPTY", max_retries=0, timeout=timeout_s)
     gate = asyncio.Semaphore(concurrency)
 
     async def bounded(prompt: list[int]) -> RequestRecord:
@@ -135,14 +136,15 @@ def summarize(concurrency: int, records: list[RequestRecord], duration_s: float)
 
 
 def run_level(base_url: str, model: str, concurrency: int, num_requests: int, input_len: int, output_len: int,
-              vocab_size: int, seed: int = 0, timeout_s: float = 600.0) -> dict:
+              vocab_size: int, seed: int = 0, timeout_s: float = 600.0, api_key: str | None = None) -> dict:
     """One concurrency level: num_requests requests, at most `concurrency` in flight."""
     prompts = make_prompts(num_requests, input_len, vocab_size, seed + concurrency)
-    records, duration = asyncio.run(_run_level(base_url, model, concurrency, prompts, output_len, timeout_s))
+    records, duration = asyncio.run(_run_level(base_url, model, concurrency, prompts, output_len, timeout_s, api_key))
     return summarize(concurrency, records, duration)
 
 
-@task(name="bench-level", task_run_name="bench c={concurrency}", tags=["bench"])
+@task(name="bench-level", task_run_name="bench c={concurrency}", tags=["bench"], cache_policy=NO_CACHE)
 def bench_level(base_url: str, model: str, concurrency: int, num_requests: int, input_len: int, output_len: int,
-                vocab_size: int, seed: int = 0) -> dict:
-    return run_level(base_url, model, concurrency, num_requests, input_len, output_len, vocab_size, seed)
+                vocab_size: int, seed: int = 0, api_key: str | None = None) -> dict:
+    return run_level(base_url, model, concurrency, num_requests, input_len, output_len, vocab_size, seed,
+                     api_key=api_key)

@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -85,6 +85,7 @@ class ServerHandle:
     command: list[str]
     process: subprocess.Popen | None = None  # None when reattached from a state file
     startup_s: float | None = None
+    api_key: str | None = field(default=None, repr=False)  # never in the state file, logs or artifacts
 
 
 def build_command(cfg: ServerConfig, port: int) -> list[str]:
@@ -165,7 +166,7 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
-def start_server(cfg: ServerConfig, run_dir: Path) -> ServerHandle:
+def start_server(cfg: ServerConfig, run_dir: Path, api_key: str | None = None) -> ServerHandle:
     """Launch vLLM in a new session; the state file is written before anything can fail later."""
     if not cfg.model_path.is_dir():
         raise ServerStartError(f"model path {cfg.model_path} does not exist", "model-path-missing", "")
@@ -176,13 +177,15 @@ def start_server(cfg: ServerConfig, run_dir: Path) -> ServerHandle:
     run_dir.mkdir(parents=True, exist_ok=True)
     log_path = run_dir / "vllm.log"
     env = {**os.environ, **cfg.env}
+    if api_key:
+        env["VLLM_API_KEY"] = api_key  # vLLM reads it there; on the command line it would show in ps
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
         )
     handle = ServerHandle(
         pid=proc.pid, pgid=proc.pid, base_url=f"http://{cfg.host}:{port}", log_path=log_path,
-        state_file=run_dir / "server.json", command=command, process=proc,
+        state_file=run_dir / "server.json", command=command, process=proc, api_key=api_key,
     )
     handle.state_file.write_text(json.dumps({"pid": handle.pid, "pgid": handle.pgid, "base_url": handle.base_url,
                                              "log_path": str(log_path), "command": command}))
@@ -252,7 +255,8 @@ def wait_ready(handle: ServerHandle, model_name: str, timeout_s: float, poll_s: 
     started = time.monotonic()
     deadline = started + timeout_s
     offset = 0
-    with httpx.Client(base_url=handle.base_url, timeout=10.0) as http:
+    auth = {"Authorization": f"Bearer {handle.api_key}"} if handle.api_key else {}
+    with httpx.Client(base_url=handle.base_url, timeout=10.0, headers=auth) as http:
         while time.monotonic() < deadline:
             offset = _follow(handle.log_path, offset, report)
             if handle.process is not None and (code := handle.process.poll()) is not None:
@@ -304,7 +308,8 @@ def reap_stale(state_file: Path, grace_s: float = 20.0) -> int | None:
     pgid = int(state["pgid"])
     live = group_members(pgid)
     # Only a group that still runs vLLM: a recycled pgid must not take an unrelated process down.
-    if live and any(b"vllm" in _cmdline(pid) for pid in live):
+    # Orphaned children carry vLLM's process titles (VLLM::EngineCore, VLLM::Worker_TP0), not our command.
+    if live and any(b"vllm" in _cmdline(pid).lower() for pid in live):
         stop_group(pgid, grace_s)
     state_file.unlink(missing_ok=True)
     return pgid if live else None
@@ -340,12 +345,13 @@ def publish_facts(handle: ServerHandle, startup_s: float, key: str) -> dict[str,
     return facts
 
 
-def start_and_wait(cfg: ServerConfig, run_dir: Path, timeout_s: float, artifact_key: str) -> ServerHandle:
+def start_and_wait(cfg: ServerConfig, run_dir: Path, timeout_s: float, artifact_key: str,
+                   api_key: str | None = None) -> ServerHandle:
     """Start vLLM and block until it serves; on failure stop the group and keep the log tail."""
     logger = get_run_logger()
     reap_stale(run_dir / "server.json")
     try:
-        handle = start_server(cfg, run_dir)
+        handle = start_server(cfg, run_dir, api_key)
     except ServerStartError as err:
         publish_failure(err, artifact_key)
         raise

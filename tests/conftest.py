@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import uuid
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
+# Every vLLM this session starts inherits the mark, so process checks see only this session's own.
+os.environ["ROLLOUT_TEST_SESSION"] = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 from pathlib import Path  # noqa: E402
 
@@ -34,3 +37,21 @@ def hub_root(tmp_path_factory) -> Path:
 def local_hub(hub_root):
     with LocalHub(hub_root) as hub:
         yield hub
+
+
+def vllm_processes() -> list[int]:
+    """Live vLLM processes (API server, VLLM::EngineCore, VLLM::Worker_*) started by this test session."""
+    mark = f"ROLLOUT_TEST_SESSION={os.environ['ROLLOUT_TEST_SESSION']}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().lower()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if b"vllm" in cmd and state != "Z" and mark in environ.split(b"\0"):
+            pids.append(int(entry.name))
+    return pids

@@ -12,31 +12,19 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 from prefect.client.schemas.sorting import ArtifactSort
 
+from conftest import vllm_processes
 from fake_nvml import FakeNvml
 
 from flows.demo import BF16_REPO, demo_config, run_demo
 from flows.deploy import deploy_model, prepare_model
 from tasks.disk import DiskSpaceError
 from tasks.gpu import GpuConfigError
+from tasks.host_lock import HostBusyError, host_lock
 from tasks.hub import HubError
 from tasks.server import ServerStartError
 from tasks.headers import CheckpointError
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
-
-
-def vllm_processes() -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmd = (entry / "cmdline").read_bytes()
-                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if b"vllm.entrypoints" in cmd and stat != "Z":
-                pids.append(int(entry.name))
-    return pids
 
 
 def artifact(key: str):
@@ -142,3 +130,21 @@ def test_fp8_kv_cache_on_sm120_is_refused_before_vllm_starts(local_hub, tmp_path
     report = artifact("hardware-demo-tiny-moe").data
     assert "Hardware check: fail" in report and "pcie-tensor-parallel" in report
     assert vllm_processes() == [] and not (tmp_path / "models" / ".rollout" / "vllm.log").exists()
+
+
+def test_second_deploy_on_a_busy_host_is_refused_before_anything_starts(local_hub, tmp_path):
+    with host_lock():  # a deploy already running on this host
+        with pytest.raises(HostBusyError, match="another deploy is running on this host"):
+            deploy_model(demo_config(local_hub.endpoint, tmp_path / "models"))
+    assert not (tmp_path / "models").exists()
+    assert vllm_processes() == []
+
+
+def test_startup_deadline_too_short_fails_with_the_timeout_cause(local_hub, tmp_path):
+    with pytest.raises(ServerStartError) as info:
+        deploy_model(demo_config(local_hub.endpoint, tmp_path / "models", startup_timeout_s=3))
+    assert info.value.cause == "startup-timeout"
+    assert "not ready after 3 s" in str(info.value)
+    assert "startup-timeout" in artifact("server-failure-demo-tiny-moe").data
+    assert vllm_processes() == []
+    assert not (tmp_path / "models" / ".rollout" / "server.json").exists()

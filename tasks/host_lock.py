@@ -1,0 +1,52 @@
+"""One deploy per GPU host, enforced by a Prefect global concurrency limit.
+
+The nightly refresh and a redeploy from the UI must never both drive the same GPUs: the second
+would reap the first's server as "stale". The limit is strict (a missing limit is an error, not
+a free pass) and leased, so a deploy that dies without releasing frees the host when its lease
+lapses instead of blocking it until someone logs in.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+from prefect.concurrency.sync import concurrency
+from prefect.exceptions import ObjectAlreadyExists
+
+
+class HostBusyError(RuntimeError):
+    """Another deploy holds this host's GPUs."""
+
+
+def limit_name(host: str | None = None) -> str:
+    host = host or socket.gethostname()
+    return "vllm-host-" + re.sub(r"[^a-z0-9-]+", "-", host.lower()).strip("-")
+
+
+def ensure_limit(name: str) -> None:
+    with get_client(sync_client=True) as client:
+        try:
+            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+        except ObjectAlreadyExists:
+            pass
+
+
+@contextmanager
+def host_lock(host: str | None = None, wait_s: float = 5.0) -> Iterator[str]:
+    """Hold the host's single slot for the block; refuse at once when another deploy has it."""
+    name = limit_name(host)
+    ensure_limit(name)
+    with ExitStack() as held:
+        try:  # only the acquisition: a TimeoutError from inside the block is the block's own
+            held.enter_context(concurrency(name, occupy=1, timeout_seconds=wait_s, strict=True))
+        except TimeoutError as exc:  # AcquireConcurrencySlotTimeoutError is a TimeoutError
+            raise HostBusyError(
+                f"another deploy is running on this host (Prefect concurrency limit {name} is full); "
+                "wait for it to finish or cancel it"
+            ) from exc
+        yield name

@@ -1,0 +1,71 @@
+"""Cancelling a deploy from Prefect mid-sweep leaves no vLLM process, as a worker would cancel it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import vllm_processes
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, TaskRunFilter, TaskRunFilterName
+from prefect.deployments import run_deployment
+from prefect.settings import PREFECT_API_URL
+from prefect.states import Cancelling
+
+from flows.demo import demo_config
+
+pytestmark = pytest.mark.usefixtures("prefect_server")
+
+SERVE = "from flows.deploy import deploy_model; deploy_model.serve(name='cancel-test')"
+
+
+def _wait(condition, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := condition():
+            return value
+        time.sleep(1)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def test_cancel_mid_sweep_stops_vllm(local_hub, tmp_path):
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_RUNNER_POLL_FREQUENCY": "2"}
+    runner = subprocess.Popen([sys.executable, "-c", SERVE], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        # A sweep long enough to be cancelled in the middle of it.
+        config = demo_config(local_hub.endpoint, tmp_path / "models", requests_per_level=4000, output_len=64)
+        with get_client(sync_client=True) as client:
+            _wait(lambda: _has_deployment(client), 120, "the served deployment")
+        run = run_deployment("deploy-model/cancel-test", parameters={"config": config.model_dump(mode="json")},
+                             timeout=0, as_subflow=False)
+        with get_client(sync_client=True) as client:
+            _wait(lambda: _bench_running(client, run.id), 600, "the sweep to start")
+            assert vllm_processes(), "vLLM serves during the sweep"
+            client.set_flow_run_state(run.id, Cancelling(), force=True)
+            final = _wait(lambda: (s := client.read_flow_run(run.id).state).is_final() and s, 120, "cancellation")
+        assert final.is_cancelled(), final
+        _wait(lambda: vllm_processes() == [], 60, "vLLM to be gone")
+        assert not (tmp_path / "models" / ".rollout" / "server.json").exists()
+    finally:
+        os.killpg(runner.pid, 15)
+        runner.wait(timeout=30)
+
+
+def _has_deployment(client) -> bool:
+    try:
+        client.read_deployment_by_name("deploy-model/cancel-test")
+        return True
+    except Exception:
+        return False
+
+
+def _bench_running(client, flow_run_id) -> bool:
+    runs = client.read_task_runs(
+        flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+        task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_="bench c=")),
+    )
+    return any(r.state and r.state.is_running() for r in runs)
