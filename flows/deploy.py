@@ -4,8 +4,8 @@ prepare_model (resolve, disk, fetch, validate) is its own flow so a model can be
 without touching the GPUs; deploy_model composes it with the GPU probe, vLLM and the sweep.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: Prefect validates flow parameters from the real
+# annotation objects when a worker loads this module, and a string "DeployConfig" cannot be resolved.
 import json
 from pathlib import Path
 

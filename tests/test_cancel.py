@@ -33,8 +33,9 @@ def _wait(condition, timeout_s: float, what: str):
 
 def test_cancel_mid_sweep_stops_vllm(local_hub, tmp_path):
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_RUNNER_POLL_FREQUENCY": "2"}
-    runner = subprocess.Popen([sys.executable, "-c", SERVE], env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, start_new_session=True)
+    log = (tmp_path / "runner.log").open("wb")
+    runner = subprocess.Popen([sys.executable, "-c", SERVE], env=env, stdout=log, stderr=subprocess.STDOUT,
+                              start_new_session=True)
     try:
         # A sweep long enough to be cancelled in the middle of it.
         config = demo_config(local_hub.endpoint, tmp_path / "models", requests_per_level=4000, output_len=64)
@@ -64,6 +65,8 @@ def _has_deployment(client) -> bool:
 
 
 def _bench_running(client, flow_run_id) -> bool:
+    state = client.read_flow_run(flow_run_id).state
+    assert not state.is_final(), f"the flow run ended before it could be cancelled: {state}"
     runs = client.read_task_runs(
         flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
         task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_="bench c=")),
