@@ -22,7 +22,15 @@ from tasks.gpu import HardwarePlan, check_hardware_task, kv_cache_is_fp8, probe_
 from tasks.host_lock import host_lock
 from tasks.hub import fetch_file_task, missing_bytes, resolve_snapshot_task, snapshot_dir
 from tasks.report import model_slug, publish_results
-from tasks.server import ServerConfig, VllmSettings, publish_facts, reap_stale, start_and_wait, stop_server
+from tasks.server import (
+    ServerConfig,
+    VllmSettings,
+    publish_facts,
+    reap_stale,
+    start_and_wait,
+    stop_server,
+    warm_option_table,
+)
 from tasks.validate import ValidationReport, publish_report, validate_checkpoint_task, validate_remote_task
 
 
@@ -156,31 +164,39 @@ def _deploy(config: DeployConfig) -> DeployResult:
     reaped = reap_stale(config.run_dir / "server.json")
     if reaped:
         logger.warning("stopped vLLM process group %d left by an earlier run", reaped)
-    prepared = prepare_model.with_options(
-        task_runner=ThreadPoolTaskRunner(max_workers=config.max_parallel_downloads)
-    )(config)
-    gpu = probe_gpus()
-    logger.info("platform %s: %s", gpu.platform, ", ".join(g.name for g in gpu.gpus) or gpu.reason)
-    slug = model_slug(config.repo_id)
-    plan = HardwarePlan(
-        tensor_parallel_size=config.vllm.tensor_parallel_size,
-        weights_bytes=prepared.validation.total_bytes,
-        kv_cache_fp8=kv_cache_is_fp8(prepared.validation.kv_cache_scheme, config.vllm.kv_cache_dtype),
-        gpu_memory_utilization=config.vllm.gpu_memory_utilization or 0.9,  # vLLM's default
-    )
-    for warning in check_hardware_task(gpu, plan, f"hardware-{slug}"):
-        logger.warning("%s: %s", warning.rule, warning.message)
+    warming = warm_option_table(config.run_dir)  # so a bad flag is refused in ms once the model is in place
+    try:
+        prepared = prepare_model.with_options(
+            task_runner=ThreadPoolTaskRunner(max_workers=config.max_parallel_downloads)
+        )(config)
+        gpu = probe_gpus()
+        logger.info("platform %s: %s", gpu.platform, ", ".join(g.name for g in gpu.gpus) or gpu.reason)
+        slug = model_slug(config.repo_id)
+        plan = HardwarePlan(
+            tensor_parallel_size=config.vllm.tensor_parallel_size,
+            weights_bytes=prepared.validation.total_bytes,
+            kv_cache_fp8=kv_cache_is_fp8(prepared.validation.kv_cache_scheme, config.vllm.kv_cache_dtype),
+            gpu_memory_utilization=config.vllm.gpu_memory_utilization or 0.9,  # vLLM's default
+        )
+        for warning in check_hardware_task(gpu, plan, f"hardware-{slug}"):
+            logger.warning("%s: %s", warning.rule, warning.message)
 
-    env = {"VLLM_ENGINE_READY_TIMEOUT_S": str(int(config.startup_timeout_s))}
-    if gpu.platform == "cpu":
-        env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB; the default would take a large share of RAM
-    server_cfg = ServerConfig(
-        **config.vllm.model_dump(exclude={"env"}),
-        env={**env, **config.vllm.env},
-        model_path=prepared.model_dir,
-        served_model_name=config.served_model_name or config.repo_id,
-        port=config.port,
-    )
+        env = {"VLLM_ENGINE_READY_TIMEOUT_S": str(int(config.startup_timeout_s))}
+        if gpu.platform == "cpu":
+            env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB; the default would take a large share of RAM
+        server_cfg = ServerConfig(
+            **config.vllm.model_dump(exclude={"env"}),
+            env={**env, **config.vllm.env},
+            model_path=prepared.model_dir,
+            served_model_name=config.served_model_name or config.repo_id,
+            port=config.port,
+        )
+        if warming is not None:
+            warming.wait(timeout=120)
+    finally:  # a flow that fails before launch leaves no parser child behind
+        if warming is not None and warming.poll() is None:
+            warming.kill()
+            warming.wait()
     api_key = Secret.load(config.api_key_secret).get() if config.api_key_secret else None
     handle = start_and_wait(server_cfg, config.run_dir, config.startup_timeout_s, f"server-failure-{slug}", api_key)
     try:

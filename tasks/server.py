@@ -25,6 +25,8 @@ from prefect.cache_policies import NO_CACHE
 from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, Field
 
+from tasks.vllm_args import installed_version, quick_check
+
 LOG_TAIL_LINES = 60
 
 # First matching pattern names the cause of a failed start; order matters (specific first).
@@ -120,12 +122,29 @@ def build_command(cfg: ServerConfig, port: int) -> list[str]:
     return cmd + cfg.extra_args
 
 
-def check_arguments(command: list[str], timeout_s: float = 120.0) -> None:
+def warm_option_table(cache_dir: Path) -> subprocess.Popen | None:
+    """Build the installed vLLM's option table in the background (~7 s), e.g. while the model downloads."""
+    version = installed_version()
+    if not version or (cache_dir / f"vllm-args-{version}.json").exists():
+        return None
+    return subprocess.Popen([sys.executable, "-m", "tasks.vllm_args", str(cache_dir / f"vllm-args-{version}.json")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+
+
+def check_arguments(command: list[str], cache_dir: Path, timeout_s: float = 120.0) -> None:
     """Refuse a command line the installed vLLM would reject, before any weights are loaded."""
     args = command[command.index("vllm.entrypoints.openai.api_server") + 1:]
+    version = installed_version()
+    table_path = cache_dir / f"vllm-args-{version}.json"
+    if version and table_path.exists():
+        problem = quick_check(json.loads(table_path.read_text()), args)
+        if problem:
+            raise ServerStartError(f"vLLM refuses the command line (invalid-argument): vllm: error: {problem}",
+                                   "invalid-argument", f"vllm: error: {problem}")
+        return
     try:
-        result = subprocess.run([sys.executable, "-m", "tasks.vllm_args", *args], capture_output=True, text=True,
-                                timeout=timeout_s, stdin=subprocess.DEVNULL)
+        result = subprocess.run([sys.executable, "-m", "tasks.vllm_args", str(table_path), *args],
+                                capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired as exc:
         raise ServerStartError(f"vLLM's argument parser did not answer in {timeout_s:.0f} s", "exited", "") from exc
     if result.returncode != 0:
@@ -173,7 +192,7 @@ def start_server(cfg: ServerConfig, run_dir: Path, api_key: str | None = None) -
     port = cfg.port or _free_port(cfg.host)
     ensure_port_free(cfg.host, port)
     command = build_command(cfg, port)
-    check_arguments(command)
+    check_arguments(command, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     log_path = run_dir / "vllm.log"
     env = {**os.environ, **cfg.env}

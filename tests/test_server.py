@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tasks.vllm_args import quick_check
 from tasks.server import (
     ServerConfig,
     ServerStartError,
@@ -138,20 +139,42 @@ needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason
 
 
 @needs_vllm
-def test_installed_vllm_parser_refuses_a_removed_flag_by_name():
+def test_installed_vllm_parser_refuses_a_removed_flag_by_name_then_remembers_its_flags(tmp_path):
     cfg = ServerConfig(model_path=Path("/m"), served_model_name="m", extra_args=["--disable-log-requests"])
-    with pytest.raises(ServerStartError, match="unrecognized arguments: --disable-log-requests") as info:
-        check_arguments(build_command(cfg, 8000))
-    assert info.value.cause == "invalid-argument"
+    for attempt in ("parser in a child process", "cached option table"):
+        with pytest.raises(ServerStartError, match="unrecognized arguments: --disable-log-requests") as info:
+            check_arguments(build_command(cfg, 8000), tmp_path)
+        assert info.value.cause == "invalid-argument", attempt
+        assert list(tmp_path.glob("vllm-args-*.json")), attempt
 
 
 @needs_vllm
-def test_installed_vllm_parser_accepts_the_commands_we_build():
+def test_installed_vllm_parser_accepts_the_commands_we_build(tmp_path):
     cfg = ServerConfig(model_path=Path("/m"), served_model_name="m", tensor_parallel_size=8,
                        enable_expert_parallel=True, all2all_backend="allgather_reducescatter", max_model_len=4096,
                        max_num_seqs=128, max_num_batched_tokens=8192, kv_cache_dtype="fp8",
-                       gpu_memory_utilization=0.92, data_parallel_size=2, trust_remote_code=True)
-    check_arguments(build_command(cfg, 8000))
+                       gpu_memory_utilization=0.92, data_parallel_size=2, trust_remote_code=True,
+                       extra_args=["--enable_prefix_caching", "--seed", "7", "--compilation-config.mode", "0"])
+    check_arguments(build_command(cfg, 8000), tmp_path)  # the child parses and writes the table
+    check_arguments(build_command(cfg, 8000), tmp_path)  # the table agrees
+
+
+TABLE = {"--model": None, "--tensor-parallel-size": None, "--kv-cache-dtype": ["auto", "fp8", "bfloat16"],
+         "--enable-expert-parallel": None, "--no-enable-expert-parallel": None, "-O": None,
+         "--compilation-config": None}
+
+
+@pytest.mark.parametrize("args, problem", [
+    (["--model", "m", "--tensor-parallel-size", "8"], None),
+    (["--kv-cache-dtype=fp8", "--no-enable-expert-parallel", "-O", "3"], None),
+    (["--tensor_parallel_size", "2", "--compilation-config.level", "3"], None),  # FlexibleArgumentParser spellings
+    (["--model", "m", "--disable-log-requests"], "unrecognized arguments: --disable-log-requests"),
+    (["--kv-cache-dtype", "fp4"], "argument --kv-cache-dtype: invalid choice: 'fp4'"),
+    (["--kv-cache-dtype=int2"], "invalid choice: 'int2'"),
+])
+def test_option_table_check(args, problem):
+    found = quick_check(TABLE, args)
+    assert (found is None) if problem is None else (problem in found)
 
 
 GPU_LOG = """\
