@@ -105,7 +105,7 @@ def deploy(
     expert_parallel: Annotated[bool, typer.Option("--ep/--no-ep", help="Expert parallelism")] = True,
     max_model_len: Optional[int] = None,
     port: int = 8000,
-    concurrency: Annotated[str, typer.Option(help="Comma-separated levels")] = "1,4,16,64",
+    concurrency: Annotated[str, typer.Option(help="Comma-separated levels, swept until saturation")] = "1,2,4,8,16,32,64,128,256",
     requests_per_level: int = 64,
     input_len: int = 1024,
     output_len: int = 256,

@@ -16,7 +16,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.futures import wait
 from pydantic import BaseModel, Field, field_validator
 
-from tasks.bench import bench_level
+from tasks.bench import bench_level, saturated
 from tasks.disk import GB, check_disk
 from tasks.gpu import HardwarePlan, check_hardware_task, kv_cache_is_fp8, probe_gpus
 from tasks.host_lock import host_lock
@@ -53,7 +53,10 @@ class DeployConfig(BaseModel):
     port: int = Field(8000, ge=0, le=65535, description="Server port; 0 picks a free one")
     api_key_secret: str | None = Field(None, description="Prefect Secret block holding the server's API key")
     startup_timeout_s: float = Field(1800, gt=0, description="Load deadline; a 1T model takes 5-15 minutes")
-    concurrency_levels: list[int] = Field([1, 4, 16, 64], min_length=1, description="Requests in flight per level")
+    concurrency_levels: list[int] = Field([1, 2, 4, 8, 16, 32, 64, 128, 256], min_length=1,
+                                          description="Requests in flight per level, swept in order")
+    min_throughput_gain: float | None = Field(
+        0.05, ge=0, description="Stop the sweep when a level adds less than this share of throughput; empty: never")
     requests_per_level: int = Field(64, ge=1, description="Requests per level (at least the level's concurrency)")
     input_len: int = Field(1024, ge=1, description="Prompt tokens per request")
     output_len: int = Field(256, ge=2, description="Output tokens per request (ignore_eos makes it exact)")
@@ -203,11 +206,15 @@ def _deploy(config: DeployConfig) -> DeployResult:
         logger.info("vLLM ready at %s after %.0f s", handle.base_url, handle.startup_s)
         server = publish_facts(handle, handle.startup_s, f"server-{slug}")
         vocab = _vocab_size(prepared.model_dir)
-        rows = [
-            bench_level(handle.base_url, server_cfg.served_model_name, c, max(config.requests_per_level, c),
-                        config.input_len, config.output_len, vocab, config.seed, api_key=api_key)
-            for c in config.concurrency_levels
-        ]
+        rows = []
+        for c in config.concurrency_levels:
+            rows.append(bench_level(handle.base_url, server_cfg.served_model_name, c,
+                                    max(config.requests_per_level, c), config.input_len, config.output_len, vocab,
+                                    config.seed, api_key=api_key))
+            if saturated(rows, config.min_throughput_gain):
+                logger.info("saturated at concurrency %d: less than %.0f%% more throughput than %d; sweep stops",
+                            c, 100 * config.min_throughput_gain, rows[-2]["concurrency"])
+                break
     finally:
         stop_server(handle)
     facts = {

@@ -90,7 +90,9 @@ async def _run_level(base_url: str, model: str, concurrency: int, prompts: list[
             return await _one_request(client, model, prompt, output_len)
 
     try:
-        await _one_request(client, model, prompts[0], output_len)  # warm-up, not measured
+        # Warm-up, not measured: one short request per slot opens every pooled connection, so the
+        # level's TTFT is the server's, not TCP and thread start-up on the first wave.
+        await asyncio.gather(*(_one_request(client, model, prompts[0], 2) for _ in range(concurrency)))
         start = time.perf_counter()
         records = await asyncio.gather(*(bounded(p) for p in prompts))
         return list(records), time.perf_counter() - start
@@ -133,6 +135,13 @@ def summarize(concurrency: int, records: list[RequestRecord], duration_s: float)
         **_stats_ms("itl", [x for r in ok for x in r.itl_s]),
         **_stats_ms("e2el", [r.e2e_s for r in ok]),
     }
+
+
+def saturated(rows: list[dict], min_gain: float | None) -> bool:
+    """True once the last level added less than min_gain of output throughput over the one before."""
+    if min_gain is None or len(rows) < 2:
+        return False
+    return rows[-1]["output_throughput"] < rows[-2]["output_throughput"] * (1 + min_gain)
 
 
 def run_level(base_url: str, model: str, concurrency: int, num_requests: int, input_len: int, output_len: int,

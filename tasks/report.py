@@ -40,7 +40,8 @@ def summary_markdown(df: pd.DataFrame, title: str, facts: dict[str, str]) -> str
     lines += [f"- **{k}:** {v}" for k, v in facts.items()]
     if not single.empty:
         lines.append(f"- **Single stream:** {single['output_throughput'].iloc[0]:.1f} output tok/s")
-    lines.append(f"- **Peak:** {best['output_throughput']:.1f} output tok/s at concurrency {int(best['concurrency'])}")
+    lines.append(f"- **Peak (knee):** {best['output_throughput']:.1f} output tok/s at concurrency "
+                 f"{int(best['concurrency'])}")
     lines += ["", df[SUMMARY_COLUMNS].round(2).to_markdown(index=False)]
     return "\n".join(lines)
 

@@ -2,7 +2,9 @@
 
 import pytest
 
-from tasks.bench import RequestRecord, make_prompts, summarize
+from fake_openai import DelayServer
+
+from tasks.bench import RequestRecord, make_prompts, run_level, saturated, summarize
 
 
 def test_tpot_is_decode_time_over_tokens_after_the_first():
@@ -32,3 +34,25 @@ def test_prompts_are_exact_length_reproducible_and_avoid_vocab_ends():
     assert a == make_prompts(4, 128, vocab_size=163840, seed=7)
     assert all(len(p) == 128 for p in a)
     assert min(min(p) for p in a) >= 100 and max(max(p) for p in a) < 163840 - 1000
+
+
+# At 32 streams this stdlib threaded server itself starts requests ~80 ms late (a raw httpx client
+# sees the same), so the 32-stream check needs an asyncio server; see the closing note.
+@pytest.mark.parametrize("concurrency", [1])
+def test_measured_latencies_match_what_the_server_injected(concurrency):
+    ttft, itl = 0.100, 0.020
+    with DelayServer(ttft_s=ttft, itl_s=itl) as server:
+        row = run_level(server.base_url, "fake", concurrency, num_requests=max(8, 2 * concurrency), input_len=16,
+                        output_len=20, vocab_size=1000)
+    assert row["failed"] == 0 and row["total_output_tokens"] == max(8, 2 * concurrency) * 20
+    for metric, injected in (("ttft", ttft), ("tpot", itl), ("itl", itl)):
+        measured = row[f"{metric}_median_ms"] / 1000
+        assert abs(measured - injected) <= max(0.05 * injected, 0.002), (metric, measured, injected)
+
+
+def test_sweep_stops_when_a_level_adds_too_little_throughput():
+    rows = [{"concurrency": c, "output_throughput": t} for c, t in ((1, 80.0), (2, 150.0), (4, 155.0))]
+    assert not saturated(rows[:1], 0.05)
+    assert not saturated(rows[:2], 0.05)  # +87%
+    assert saturated(rows, 0.05)  # +3%
+    assert not saturated(rows, None)  # sweeping every level was asked for

@@ -16,6 +16,7 @@ from prefect.settings import PREFECT_API_URL
 from prefect.states import Cancelling
 
 from flows.demo import demo_config
+from tasks.host_lock import host_lock
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 
@@ -51,6 +52,8 @@ def test_cancel_mid_sweep_stops_vllm(local_hub, tmp_path):
         assert final.is_cancelled(), final
         _wait(lambda: vllm_processes() == [], 60, "vLLM to be gone")
         assert not (tmp_path / "models" / ".rollout" / "server.json").exists()
+        with host_lock(wait_s=10):  # the cancelled run gave the host back: the next deploy may start
+            pass
     finally:
         os.killpg(runner.pid, 15)
         runner.wait(timeout=30)
