@@ -1,72 +1,59 @@
 """An OpenAI-compatible streaming completions server whose timings are set by the test.
 
-It waits ttft_s before the first chunk and itl_s between chunks, sends one token per chunk and a
-final usage chunk, so a client's TTFT, ITL and TPOT can be checked against known values.
+It waits ttft_s before the first chunk and itl_s between chunks (deadlines from the request's
+start, so sleep jitter does not accumulate), one token per chunk and a final usage chunk. It runs
+on asyncio (uvicorn, which Prefect ships) so 32 streams cost the server nothing measurable.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
 
 
 class DelayServer:
     def __init__(self, ttft_s: float, itl_s: float):
         self.ttft_s, self.itl_s = ttft_s, itl_s
-        server = self
+        app = FastAPI()
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> StreamingResponse:
+            start = time.perf_counter()
+            body = await request.json()
+            return StreamingResponse(self._events(body, start), media_type="text/event-stream")
 
-            def log_message(self, *args) -> None:
-                pass
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{port}"
+        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error",
+                                                     lifespan="off"))
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
 
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                n = int(body["max_tokens"])
-                prompt = body["prompt"]
-                start = time.perf_counter()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream")
-                self.send_header("Transfer-Encoding", "chunked")
-                self.end_headers()
-                for i in range(n):
-                    # Deadlines from the request's start: sleep jitter does not accumulate.
-                    _sleep_until(start + server.ttft_s + i * server.itl_s)
-                    self._event({"id": "x", "object": "text_completion", "model": body["model"],
-                                 "choices": [{"index": 0, "text": "t", "finish_reason": None}]})
-                self._event({"id": "x", "object": "text_completion", "model": body["model"], "choices": [],
-                             "usage": {"prompt_tokens": len(prompt), "completion_tokens": n,
-                                       "total_tokens": len(prompt) + n}})
-                self._chunk(b"data: [DONE]\n\n")
-                self._chunk(b"")
-
-            def _event(self, payload: dict) -> None:
-                self._chunk(b"data: " + json.dumps(payload).encode() + b"\n\n")
-
-            def _chunk(self, data: bytes) -> None:
-                self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
-                self.wfile.flush()
-
-        class Server(ThreadingHTTPServer):
-            request_queue_size = 512  # the stdlib's 5 resets connections beyond 5 simultaneous streams
-
-        self.httpd = Server(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+    async def _events(self, body: dict, start: float):
+        n, prompt = int(body["max_tokens"]), body["prompt"]
+        for i in range(n):
+            await asyncio.sleep(max(0.0, start + self.ttft_s + i * self.itl_s - time.perf_counter()))
+            yield "data: " + json.dumps({"id": "x", "object": "text_completion", "model": body["model"],
+                                         "choices": [{"index": 0, "text": "t", "finish_reason": None}]}) + "\n\n"
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
+        yield "data: " + json.dumps({"id": "x", "object": "text_completion", "model": body["model"], "choices": [],
+                                     "usage": usage}) + "\n\n"
+        yield "data: [DONE]\n\n"
 
     def __enter__(self) -> "DelayServer":
         self._thread.start()
+        while not self._server.started:
+            time.sleep(0.01)
         return self
 
     def __exit__(self, *exc) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
-def _sleep_until(deadline: float) -> None:
-    while (left := deadline - time.perf_counter()) > 0:
-        time.sleep(min(left, 0.005) if left > 0.001 else 0)
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
