@@ -42,12 +42,13 @@ TINY_CONFIG = dict(
 
 GROUP_SIZE = 32
 
-# Kimi-K2.5's ignore list, written for this model's module names: everything but the routed experts.
+# Kimi-K2.5's ignore list: everything but the routed experts. The patterns start with `.*` so they
+# hold for flat (model.layers.N) and nested (language_model.model.layers.N) names alike.
 KIMI_STYLE_IGNORE = [
     "lm_head",
     "re:.*self_attn.*",
     "re:.*shared_experts.*",
-    r"re:model\.layers\.0\.mlp\..*",
+    r"re:.*layers\.0\.mlp\..*",
     r"re:.*mlp\.gate$",
 ]
 

@@ -14,16 +14,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from flows.demo.checkpoint import quantization_config
+from flows.demo.checkpoint import KIMI_STYLE_IGNORE, quantization_config
 from tasks.headers import DTYPE_BYTES
-
-KIMI_IGNORE = [
-    "lm_head",
-    "re:.*self_attn.*",
-    "re:.*shared_experts.*",
-    r"re:.*layers\.0\.mlp\..*",
-    r"re:.*mlp\.gate$",
-]
 
 
 @dataclass(frozen=True)
@@ -129,6 +121,6 @@ def write_sparse_kimi(out_dir: Path, shape: KimiShape = KimiShape()) -> int:
         "first_k_dense_replace": 1, "num_nextn_predict_layers": 0, "kv_lora_rank": shape.kv_lora_rank,
     }
     config = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
-              "text_config": text_config, "quantization_config": quantization_config(KIMI_IGNORE)}
+              "text_config": text_config, "quantization_config": quantization_config(KIMI_STYLE_IGNORE)}
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     return total
