@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-from pathlib import Path
 
 import pytest
 from prefect.client.orchestration import get_client

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
-import time
 
 import httpx
 import pytest
