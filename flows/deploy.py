@@ -7,6 +7,7 @@ without touching the GPUs; deploy_model composes it with the GPU probe, vLLM and
 # No `from __future__ import annotations` here: Prefect validates flow parameters from the real
 # annotation objects when a worker loads this module, and a string "DeployConfig" cannot be resolved.
 import json
+import time
 from pathlib import Path
 
 from prefect import flow, get_run_logger
@@ -17,16 +18,27 @@ from prefect.futures import wait
 from pydantic import BaseModel, Field, field_validator
 
 from tasks.bench import bench_level, saturated
-from tasks.disk import GB, check_disk
+from tasks.disk import GB, evict_task, plan_disk_task
 from tasks.gpu import HardwarePlan, check_hardware_task, kv_cache_is_fp8, probe_gpus
 from tasks.host_lock import host_lock
-from tasks.hub import fetch_file_task, missing_bytes, resolve_snapshot_task, snapshot_dir
+from tasks.hub import (
+    FetchProgress,
+    fetch_file_task,
+    hub_token,
+    missing_bytes,
+    publish_fetch,
+    record_revision,
+    resolve_snapshot_task,
+    snapshot_dir,
+)
+from tasks.records import LastGood, read_last_good, write_last_good
 from tasks.report import model_slug, publish_results
 from tasks.server import (
     ServerConfig,
     VllmSettings,
     publish_facts,
     reap_stale,
+    served_model,
     start_and_wait,
     stop_server,
     warm_option_table,
@@ -45,7 +57,11 @@ class DeployConfig(BaseModel):
     revision: str = Field("main", description="Branch, tag or commit; resolved to a commit sha before download")
     models_root: Path = Field(Path("/models"), description="Filesystem that holds the HF cache (models_root/hub)")
     hub_endpoint: str | None = Field(None, description="Hub URL; empty uses HF_ENDPOINT or huggingface.co")
+    hf_token_secret: str | None = Field(None, description="Prefect Secret block with the HF token; empty: HF_TOKEN")
     disk_margin_gb: float = Field(10.0, ge=0, description="Free space to keep beyond the model's size")
+    evict: bool = Field(False, description="Delete what the disk plan lists; off is a dry run that only plans")
+    pinned_models: list[str] = Field(default_factory=list,
+                                     description="Never evicted: repo ids, repo@commit, or model folder paths")
     max_parallel_downloads: int = Field(8, ge=1, le=64, description="Files fetched at once")
     served_model_name: str | None = Field(None, description="Name clients use; defaults to repo_id")
     vllm: VllmSettings = Field(default_factory=lambda: VllmSettings(enable_expert_parallel=True),
@@ -124,19 +140,46 @@ def _publish_validation(report: ValidationReport, repo_id: str, stage: str) -> N
 @flow(name="prepare-model", task_runner=ThreadPoolTaskRunner(max_workers=8))
 def prepare_model(config: DeployConfig) -> PreparedModel:
     """Pin the revision, make room, fetch every file in parallel, and check the checkpoint."""
+    with hub_token(config.hf_token_secret):
+        return _prepare(config)
+
+
+def _prepare(config: DeployConfig) -> PreparedModel:
     logger = get_run_logger()
+    slug = model_slug(config.repo_id)
     snapshot = resolve_snapshot_task(config.repo_id, config.revision, config.hub_endpoint)
     logger.info("%s@%s is commit %s: %d files, %.2f GB", config.repo_id, config.revision, snapshot.commit,
                 len(snapshot.files), snapshot.total_bytes / GB)
     # The same rules on the hub's headers first: a bad checkpoint costs seconds, not a download.
-    _publish_validation(validate_remote_task(snapshot, config.hub_endpoint), config.repo_id,
-                        "remote")
-    check_disk(config.models_root, missing_bytes(snapshot, config.cache_dir), int(config.disk_margin_gb * GB))
+    _publish_validation(validate_remote_task(snapshot, config.hub_endpoint), config.repo_id, "remote")
+
+    needed = missing_bytes(snapshot, config.cache_dir)
+    last_good = read_last_good(config.run_dir)
+    plan = plan_disk_task(config.models_root, needed, int(config.disk_margin_gb * GB),
+                          (snapshot.repo_id, snapshot.commit), served_model(config.run_dir / "server.json"),
+                          config.pinned_models, last_good.model_dir if last_good else None,
+                          f"disk-plan-{slug}", not config.evict)
+    for warning in plan.warnings:
+        logger.warning(warning)
+    if plan.evictions:
+        evicted = evict_task(plan, config.models_root, f"disk-after-{slug}")
+        logger.info("deleted %s: free %.2f -> %.2f GB", ", ".join(evicted.deleted),
+                    evicted.free_before_bytes / GB, evicted.free_after_bytes / GB)
+
+    progress = FetchProgress(snapshot.total_bytes, snapshot.total_bytes - needed, f"fetch-progress-{slug}")
     files = sorted(snapshot.files, key=lambda f: f.size)  # config and tokenizer first: cheap early failures
-    futures = [fetch_file_task.submit(snapshot, f, config.cache_dir, config.hub_endpoint) for f in files]
+    started = time.perf_counter()
+    futures = [fetch_file_task.submit(snapshot, f, config.cache_dir, config.hub_endpoint, progress.add)
+               for f in files]
     wait(futures)
-    for future in futures:
-        future.result()  # raises the first failed fetch with its own message
+    results = [future.result() for future in futures]  # raises the first failed fetch with its own message
+    wall_s = time.perf_counter() - started
+    progress.finish()
+    record_revision(snapshot, config.cache_dir)
+    publish_fetch(results, wall_s, f"fetch-{slug}")
+    downloaded = sum(r.downloaded for r in results)
+    logger.info("fetched %.2f GB in %.1f s (%.1f MB/s)", downloaded / GB, wall_s, downloaded / 1e6 / max(wall_s, 1e-9))
+
     model_dir = snapshot_dir(snapshot, config.cache_dir)
     report = validate_checkpoint_task(model_dir)
     _publish_validation(report, config.repo_id, "local")
@@ -226,4 +269,6 @@ def _deploy(config: DeployConfig) -> DeployResult:
                 f"{server.get('kv_cache_tokens', '?')} tokens",
     }
     publish_results(rows, config.repo_id, facts)
+    write_last_good(config.run_dir, LastGood(repo_id=prepared.repo_id, commit=prepared.commit,
+                                             model_dir=prepared.model_dir))
     return DeployResult(prepared=prepared, platform=gpu.platform, results=rows)

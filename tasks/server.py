@@ -334,6 +334,20 @@ def reap_stale(state_file: Path, grace_s: float = 20.0) -> int | None:
     return pgid if live else None
 
 
+def served_model(state_file: Path) -> Path | None:
+    """The --model of the vLLM recorded in the state file, while its process group still runs."""
+    try:
+        state = json.loads(state_file.read_text())
+        command = state["command"]
+        pgid = int(state["pgid"])
+    except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+        return None
+    live = group_members(pgid)
+    if not live or not any(b"vllm" in _cmdline(pid).lower() for pid in live) or "--model" not in command:
+        return None
+    return Path(command[command.index("--model") + 1])
+
+
 def _cmdline(pid: int) -> bytes:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
