@@ -55,3 +55,16 @@ def vllm_processes() -> list[int]:
         if b"vllm" in cmd and state != "Z" and mark in environ.split(b"\0"):
             pids.append(int(entry.name))
     return pids
+
+
+def artifact(key: str):
+    """The newest artifact under key: the session's flows publish some keys more than once."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])),
+                                      sort=ArtifactSort.CREATED_DESC, limit=1)
+    assert found, f"no artifact {key}"
+    return found[0]

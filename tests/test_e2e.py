@@ -7,11 +7,7 @@ import shutil
 import sys
 
 import pytest
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
-from prefect.client.schemas.sorting import ArtifactSort
-
-from conftest import vllm_processes
+from conftest import artifact, vllm_processes
 from fake_nvml import FakeNvml
 
 from flows.demo import BF16_REPO, demo_config, run_demo
@@ -24,15 +20,6 @@ from tasks.server import ServerStartError
 from tasks.headers import CheckpointError
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
-
-
-def artifact(key: str):
-    """The newest artifact under key: the session's flows publish some keys more than once."""
-    with get_client(sync_client=True) as client:
-        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])),
-                                      sort=ArtifactSort.CREATED_DESC, limit=1)
-    assert found, f"no artifact {key}"
-    return found[0]
 
 
 def test_demo_deploys_benchmarks_and_publishes(tmp_path):
@@ -108,7 +95,7 @@ def test_unknown_repo_fails_in_one_line(local_hub, tmp_path):
 
 def test_model_that_does_not_fit_is_refused_before_download(local_hub, tmp_path):
     config = demo_config(local_hub.endpoint, tmp_path / "models", disk_margin_gb=10**9)
-    with pytest.raises(DiskSpaceError, match="model needs"):
+    with pytest.raises(DiskSpaceError, match="model will not fit: needs"):
         prepare_model(config)
     assert not (tmp_path / "models" / "hub").exists()
 

@@ -1,0 +1,87 @@
+"""prepare_model on the Prefect test server: the disk plan, the fetch artifacts and the HF token."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+from prefect.blocks.system import Secret
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
+
+from conftest import artifact
+from flows.demo import BF16_REPO, demo_config
+from flows.demo.hub_server import LocalHub
+from flows.deploy import prepare_model
+from tasks.disk import GB, DiskSpaceError, inventory, measure
+
+pytestmark = pytest.mark.usefixtures("prefect_server")
+TOKEN = "hf_rollout_test_token_never_shown"
+
+
+def _fetch_rows() -> list[dict]:
+    return json.loads(artifact("fetch-demo-tiny-moe").data)
+
+
+def test_token_from_a_secret_block_reaches_the_hub_and_nowhere_else(hub_root, tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    Secret(value=TOKEN).save("hf-token-test", overwrite=True)
+    with LocalHub(hub_root) as hub:
+        hub.require_token = TOKEN
+        config = demo_config(hub.endpoint, tmp_path / "models", hf_token_secret="hf-token-test")
+        state = prepare_model(config, return_state=True)
+        assert state.is_completed(), state.message
+        first = _fetch_rows()
+        assert first[-1]["file"] == "(all, wall clock)" and first[-1]["downloaded_MB"] > 5
+        assert all(r["MB_per_s"] > 0 for r in first if r["downloaded_MB"] > 1)
+        assert float(artifact("fetch-progress-demo-tiny-moe").data) == 100.0
+
+        again = prepare_model(config, return_state=True)  # a re-run after success downloads nothing
+        assert again.is_completed()
+        assert all(r["downloaded_MB"] == 0 for r in _fetch_rows())
+
+    assert "HF_TOKEN" not in os.environ  # the block's value does not outlive the flow
+    with get_client(sync_client=True) as client:
+        for run_id in (state.state_details.flow_run_id, again.state_details.flow_run_id):
+            run = client.read_flow_run(run_id)
+            logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))
+            artifacts = client.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
+            tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
+            assert logs and artifacts and tasks
+            seen = json.dumps(run.parameters) + "".join(entry.message for entry in logs)
+            seen += "".join(str(a.data) + str(a.description) for a in artifacts)
+            seen += "".join(t.model_dump_json() for t in tasks)
+            assert TOKEN not in seen
+
+
+def _stale_model(models_root, size: int = 40 * 10**6):
+    folder = models_root / "old-nvfp4-by-hand"
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(os.urandom(size))
+    os.utime(folder / "model.safetensors", (0, 0))  # used long ago
+    return folder
+
+
+def test_dry_run_plans_and_refuses_then_evict_deletes_and_measures(local_hub, hub_root, tmp_path):
+    models = tmp_path / "models"
+    stale = _stale_model(models)
+    model_bytes = sum(f.stat().st_size for f in (hub_root / BF16_REPO).iterdir())
+    # the new model (about 6 MB) plus the margin is 20 MB more than the disk has: the 40 MB folder must go
+    margin = (measure(models).free_bytes - model_bytes + 20 * 10**6) / GB
+    config = demo_config(local_hub.endpoint, models, disk_margin_gb=margin)
+    with pytest.raises(DiskSpaceError, match=r"dry run: .*old-nvfp4-by-hand.*set evict=true"):
+        prepare_model(config)
+    assert stale.exists() and not (models / "hub").exists()
+    plan = json.loads(artifact("disk-plan-demo-tiny-moe-table").data)
+    assert [r["action"] for r in plan if r["model"] == str(stale)] == ["evict"]
+
+    margin = (measure(models).free_bytes - model_bytes + 20 * 10**6) / GB
+    prepared = prepare_model(config.model_copy(update={"evict": True, "disk_margin_gb": margin}))
+    assert not stale.exists()
+    assert prepared.validation.verdict == "pass"
+    after = artifact("disk-after-demo-tiny-moe").data
+    assert "Free before" in after and "measured 0.04 GB, planned 0.04 GB" in after
+    assert [m.name for m in inventory(models)] == [f"{BF16_REPO}@{prepared.commit[:12]}"]
+    shutil.rmtree(models)
