@@ -5,8 +5,8 @@ the branch mid-download cannot mix two versions of a model. Files land in the HF
 the models root (blobs named by their hash, snapshot symlinks), where huggingface_hub's own tools
 list and delete them. hf_hub_download cannot be used as is: it neither resumes across runs (its
 partial files are unique per call and deleted on failure) nor hashes while it writes, and a second
-pass over 595 GB costs minutes. So the bytes come through huggingface_hub's own http_get (range
-resume, Retry-After on 429, the Hub's error mapping) into a file object that hashes what it writes.
+pass over 595 GB costs minutes. So the bytes come through huggingface_hub's own HTTP layer (its
+session, Retry-After on 429, the Hub's error mapping) into a file object that hashes what it writes.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
-from huggingface_hub.file_download import http_get, repo_folder_name
-from huggingface_hub.utils import build_hf_headers
+from huggingface_hub import constants
+from huggingface_hub.file_download import repo_folder_name
+from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_stream_backoff
 from prefect import task
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
@@ -201,7 +202,7 @@ def _new_hasher(file: RepoFile):
 
 
 class _HashingFile:
-    """The file object http_get writes into: each chunk is hashed and counted as it lands."""
+    """The partial file the stream writes into: each chunk is hashed and counted as it lands."""
 
     def __init__(self, fh, file: RepoFile, on_bytes: Callable[[int], None]):
         self._fh = fh
@@ -226,7 +227,7 @@ class _HashingFile:
         return self._fh.seek(offset, whence)
 
     def truncate(self, size: int | None = None) -> int:
-        """http_get starts over when a server ignores the Range header; so does the hash."""
+        """The download starts over when a server ignores the Range header; so does the hash."""
         size = self._fh.truncate(size)
         self.hasher = _new_hasher(self._file)
         self._fh.seek(0)
@@ -250,23 +251,33 @@ def _link(snapshot: RepoSnapshot, file: RepoFile, blob: Path, cache_dir: Path) -
 
 
 def _stream(url: str, sink: _HashingFile, file: RepoFile, resumes: int = 5) -> None:
-    """http_get, resumed in place after a connection reset (0.5, 1, 2, 4, 8 s apart).
+    """GET the rest of the file into sink, resuming in place after a reset or a short body.
 
-    http_get resumes by itself after timeouts and early closes, not after a reset (a ReadError,
-    which can also discard bytes the kernel had received). Past these tries the task's retry takes
-    over, from the bytes on disk.
+    huggingface_hub's http_stream_backoff sends it (429 waits for Retry-After) and hf_raise_for_status
+    names the error. Chunks are written as the socket yields them: http_get re-buffers every 10 MiB
+    (a copy per byte, and up to 10 MiB lost on a reset), which the hash cannot afford on 2 cores.
+    Past these tries (0.5 ... 8 s apart) the task's retry takes over, from the bytes on disk.
     """
     for attempt in range(resumes + 1):
+        start = sink.tell()
+        headers = build_hf_headers() | ({"Range": f"bytes={start}-"} if start else {})
         try:
-            http_get(url, sink, resume_size=sink.tell(), headers=build_hf_headers(), expected_size=file.size,
-                     displayed_filename=file.path)
-            return
+            with http_stream_backoff("GET", url, headers=headers, timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT,
+                                     retry_on_exceptions=(), retry_on_status_codes=(408, 429)) as response:
+                hf_raise_for_status(response)
+                if start and response.status_code == 200:  # the server ignored the range: start over
+                    sink.truncate(0)
+                for chunk in response.iter_bytes():
+                    sink.write(chunk)
         except HfHubHTTPError:
             raise
         except HTTPError:
             if attempt == resumes:
                 raise
-            time.sleep(min(0.5 * 2**attempt, 8.0))
+        if sink.tell() >= file.size:
+            return
+        time.sleep(min(0.5 * 2**attempt, 8.0))
+    raise IncompleteDownload(f"{file.path}: stream ended at {sink.tell():,} of {file.size:,} bytes, {resumes} times")
 
 
 def fetch_file(snapshot: RepoSnapshot, file: RepoFile, cache_dir: Path, endpoint: str | None = None,
@@ -308,8 +319,6 @@ def fetch_file(snapshot: RepoSnapshot, file: RepoFile, cache_dir: Path, endpoint
                     part.unlink(missing_ok=True)
                     raise DiskSpaceError(f"{file.path}: disk full after {done:,} of {file.size:,} bytes in "
                                          f"{blob.parent} ({os.strerror(exc.errno)}); partial file deleted") from exc
-                if exc.errno is None:  # http_get's size check: the stream ended early
-                    raise IncompleteDownload(f"{file.path}: {exc}".splitlines()[0]) from exc
                 raise
             actual = sink.hasher.hexdigest()
             size = fh.tell()

@@ -38,7 +38,7 @@ from tasks.hub import (
 
 REPO = "org/sharded"
 SHARD = 2 * 2**20
-BIG = "model-big.safetensors"  # larger than huggingface_hub's 10 MiB write chunk, so a cut leaves bytes to resume
+BIG = "model-big.safetensors"
 BIG_SIZE = 24 * 2**20
 CHUNK = 10 * 2**20
 
@@ -102,9 +102,8 @@ def test_connection_cut_mid_shard_resumes_from_the_bytes_received(hub, fetch_roo
     hub.inject(shard.path, Fault(kind, after_bytes=CHUNK + CHUNK // 2))
     result = fetch_file(snap, shard, tmp_path / "hub", hub.endpoint)
     gets = [r for r in hub.requests if r.path == shard.path]
-    # resumed from the last chunk huggingface_hub wrote, not from 0
-    assert len(gets) == 2 and gets[0].range_start == 0 and gets[1].range_start == CHUNK
-    assert hub.bytes_sent_by_file[shard.path] == CHUNK + CHUNK // 2 + BIG_SIZE - CHUNK
+    # resumed from the bytes that arrived, not from 0
+    assert len(gets) == 2 and gets[0].range_start == 0 and 0 < gets[1].range_start <= CHUNK + CHUNK // 2
     assert result.downloaded == BIG_SIZE
     assert_complete_or_absent(snap, tmp_path / "hub", fetch_root / REPO)
     assert (snapshot_dir(snap, tmp_path / "hub") / shard.path).exists()

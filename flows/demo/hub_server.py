@@ -28,6 +28,7 @@ from urllib.parse import unquote, urlsplit
 
 LFS_SUFFIXES = (".safetensors", ".bin", ".gguf")
 _API = re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)(?:/revision/(?P<rev>[^/]+))?$")
+_TREE = re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)/tree/(?P<rev>[^/]+)(?:/.*)?$")
 _RESOLVE = re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<file>.+)$")
 
 
@@ -186,6 +187,15 @@ class _Handler(BaseHTTPRequestHandler):
             return None
         return repo
 
+    def _json(self, value) -> None:
+        body = json.dumps(value).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command == "GET":
+            self.wfile.write(body)
+
     def do_GET(self) -> None:
         self._serve()
 
@@ -201,16 +211,17 @@ class _Handler(BaseHTTPRequestHandler):
         if m := _API.match(path):
             repo = self._lookup(m["repo"], m["rev"])
             if repo:
-                body = json.dumps(
-                    {"id": repo.repo_id, "modelId": repo.repo_id, "sha": repo.commit, "private": False,
-                     "siblings": list(repo.files.values())}
-                ).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                if self.command == "GET":
-                    self.wfile.write(body)
+                self._json({"id": repo.repo_id, "modelId": repo.repo_id, "sha": repo.commit, "private": False,
+                            "siblings": list(repo.files.values())})
+            return
+        if m := _TREE.match(path):  # list_repo_tree, as snapshot_download (`hf download`) asks for it
+            repo = self._lookup(m["repo"], m["rev"])
+            if repo:
+                entries = [{"type": "file", "oid": e["blobId"], "size": e["size"], "path": e["rfilename"]}
+                           | ({"lfs": {"oid": e["lfs"]["sha256"], "size": e["size"],
+                                       "pointerSize": e["lfs"]["pointerSize"]}} if "lfs" in e else {})
+                           for e in repo.files.values()]
+                self._json(entries)
             return
         if m := _RESOLVE.match(path):
             repo = self._lookup(m["repo"], m["rev"])
@@ -297,3 +308,17 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self.connection.shutdown(socket.SHUT_WR)
         self.close_connection = True
+
+
+def main() -> None:
+    """Serve ROOT (argv[1]) on PORT (argv[2], default any) in its own process, for benchmarks."""
+    import sys
+
+    root, port = Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 0
+    hub = LocalHub(root, port=port)
+    print(hub.endpoint, flush=True)
+    hub.server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()
