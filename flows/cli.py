@@ -110,6 +110,9 @@ def deploy(
     input_len: int = 1024,
     output_len: int = 256,
     vllm_arg: Annotated[Optional[list[str]], typer.Option(help="Extra vLLM flag, repeatable")] = None,
+    evict: Annotated[bool, typer.Option("--evict/--dry-run", help="Delete what the disk plan lists, or only plan")] = False,
+    pin: Annotated[Optional[list[str]], typer.Option(help="Model never evicted (repo id, repo@commit, folder)")] = None,
+    hf_token_secret: Annotated[Optional[str], typer.Option(help="Prefect Secret block with the HF token")] = None,
 ) -> None:
     """Fetch, validate, serve and benchmark a model (the deploy-model flow, run here)."""
     from pydantic import ValidationError
@@ -125,6 +128,7 @@ def deploy(
                               max_model_len=max_model_len, extra_args=vllm_arg or []),
             concurrency_levels=[int(c) for c in concurrency.split(",") if c.strip()],
             requests_per_level=requests_per_level, input_len=input_len, output_len=output_len,
+            evict=evict, pinned_models=pin or [], hf_token_secret=hf_token_secret,
         )
     except ValidationError as exc:
         err = exc.errors()[0]

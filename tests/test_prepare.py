@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 from prefect.blocks.system import Secret
+from prefect.logging.handlers import APILogWorker
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
 
@@ -16,6 +22,7 @@ from flows.demo import BF16_REPO, demo_config
 from flows.demo.hub_server import LocalHub
 from flows.deploy import prepare_model
 from tasks.disk import GB, DiskSpaceError, inventory, measure
+from tasks.hub import PART_SUFFIX
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 TOKEN = "hf_rollout_test_token_never_shown"
@@ -23,6 +30,15 @@ TOKEN = "hf_rollout_test_token_never_shown"
 
 def _fetch_rows() -> list[dict]:
     return json.loads(artifact("fetch-demo-tiny-moe").data)
+
+
+def _logs_of(client, run_id, wait_s: float = 20.0) -> list:
+    """The API stores log batches asynchronously even after the worker drained: poll briefly."""
+    log_filter = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id]))
+    deadline = time.monotonic() + wait_s
+    while not (logs := client.read_logs(log_filter=log_filter)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return logs
 
 
 def test_token_from_a_secret_block_reaches_the_hub_and_nowhere_else(hub_root, tmp_path, monkeypatch):
@@ -43,10 +59,11 @@ def test_token_from_a_secret_block_reaches_the_hub_and_nowhere_else(hub_root, tm
         assert all(r["downloaded_MB"] == 0 for r in _fetch_rows())
 
     assert "HF_TOKEN" not in os.environ  # the block's value does not outlive the flow
+    APILogWorker.drain_all(timeout=10)  # logs reach the API in batches
     with get_client(sync_client=True) as client:
         for run_id in (state.state_details.flow_run_id, again.state_details.flow_run_id):
             run = client.read_flow_run(run_id)
-            logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))
+            logs = _logs_of(client, run_id)
             artifacts = client.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
             tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
             assert logs and artifacts and tasks
@@ -85,3 +102,42 @@ def test_dry_run_plans_and_refuses_then_evict_deletes_and_measures(local_hub, hu
     assert "Free before" in after and "measured 0.04 GB, planned 0.04 GB" in after
     assert [m.name for m in inventory(models)] == [f"{BF16_REPO}@{prepared.commit[:12]}"]
     shutil.rmtree(models)
+
+
+_PREPARE_IN_CHILD = """
+import sys
+from pathlib import Path
+from flows.demo import demo_config
+from flows.deploy import prepare_model
+prepare_model(demo_config(sys.argv[1], Path(sys.argv[2])))
+"""
+
+
+def test_flow_killed_mid_download_resumes_on_the_next_run(hub_root, tmp_path):
+    from prefect.settings import PREFECT_API_URL
+
+    models = tmp_path / "models"
+    source = hub_root / BF16_REPO / "model.safetensors"
+    weights = source.stat().st_size
+    part = models / "hub" / "models--demo--tiny-moe" / "blobs" / (hashlib.sha256(source.read_bytes()).hexdigest()
+                                                                  + PART_SUFFIX)
+    with LocalHub(hub_root) as hub:
+        hub.throttle_bps = 2 * 10**6  # the 6 MB weights take about 3 s
+        env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+        child = subprocess.Popen([sys.executable, "-c", _PREPARE_IN_CHILD, hub.endpoint, str(models)], env=env)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (part.exists() and part.stat().st_size > 10**6):
+            time.sleep(0.05)
+        child.send_signal(signal.SIGKILL)  # no hook, no finally: what a power cut or OOM kill does
+        child.wait()
+        held = part.stat().st_size
+        assert 10**6 < held < weights
+        hub.throttle_bps = None
+        prepared = prepare_model(demo_config(hub.endpoint, models))
+    rows = {r["file"]: r for r in _fetch_rows()}
+    assert rows["model.safetensors"]["resumed_from_MB"] == round(held / 1e6, 3)
+    assert rows["model.safetensors"]["downloaded_MB"] == round((weights - held) / 1e6, 3)
+    assert all(r["downloaded_MB"] == 0 for name, r in rows.items() if name not in ("model.safetensors",
+                                                                                 "(all, wall clock)"))
+    assert prepared.validation.verdict == "pass"
+    assert (prepared.model_dir / "model.safetensors").read_bytes() == source.read_bytes()
