@@ -20,6 +20,27 @@ import typer  # noqa: E402
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
+DEFAULT_LEVELS = "1,2,4,8,16,32,64,128,256"
+Concurrency = Annotated[str, typer.Option(help="Comma-separated levels, swept until saturation")]
+RequestsPerLevel = Annotated[int, typer.Option(help="Requests per level (at least the level's concurrency)")]
+InputLen = Annotated[int, typer.Option(help="Prompt tokens per request")]
+OutputLen = Annotated[int, typer.Option(help="Output tokens per request (exact: ignore_eos)")]
+
+
+def _levels(text: str) -> list[int]:
+    try:
+        return [int(c) for c in text.split(",") if c.strip()]
+    except ValueError as exc:
+        typer.echo(f"error: bad option --concurrency {text!r}: {exc}", err=True)
+        raise typer.Exit(2)
+
+
+def _bad_option(exc) -> None:
+    """A pydantic error as one line naming the field, exit 2: nothing has started."""
+    err = exc.errors()[0]
+    typer.echo(f"error: bad option {'.'.join(str(p) for p in err['loc'])}: {err['msg']}", err=True)
+    raise typer.Exit(2)
+
 
 def _exit_on_sigterm() -> None:
     """SIGTERM unwinds like Ctrl-C, so the flow's finally stops vLLM instead of orphaning it."""
@@ -105,10 +126,10 @@ def deploy(
     expert_parallel: Annotated[bool, typer.Option("--ep/--no-ep", help="Expert parallelism")] = True,
     max_model_len: Optional[int] = None,
     port: int = 8000,
-    concurrency: Annotated[str, typer.Option(help="Comma-separated levels, swept until saturation")] = "1,2,4,8,16,32,64,128,256",
-    requests_per_level: int = 64,
-    input_len: int = 1024,
-    output_len: int = 256,
+    concurrency: Concurrency = DEFAULT_LEVELS,
+    requests_per_level: RequestsPerLevel = 64,
+    input_len: InputLen = 1024,
+    output_len: OutputLen = 256,
     vllm_arg: Annotated[Optional[list[str]], typer.Option(help="Extra vLLM flag, repeatable")] = None,
     evict: Annotated[bool, typer.Option("--evict/--dry-run", help="Delete what the disk plan lists, or only plan")] = False,
     pin: Annotated[Optional[list[str]], typer.Option(help="Model never evicted (repo id, repo@commit, folder)")] = None,
@@ -118,6 +139,7 @@ def deploy(
     from pydantic import ValidationError
 
     from flows.deploy import DeployConfig, deploy_model
+    from tasks.bench import BenchSpec
     from tasks.server import VllmSettings
 
     _exit_on_sigterm()
@@ -126,17 +148,12 @@ def deploy(
             repo_id=repo_id, revision=revision, models_root=models_root, port=port,
             vllm=VllmSettings(tensor_parallel_size=tp, enable_expert_parallel=expert_parallel,
                               max_model_len=max_model_len, extra_args=vllm_arg or []),
-            concurrency_levels=[int(c) for c in concurrency.split(",") if c.strip()],
-            requests_per_level=requests_per_level, input_len=input_len, output_len=output_len,
+            bench=BenchSpec(concurrency_levels=_levels(concurrency), requests_per_level=requests_per_level,
+                            input_len=input_len, output_len=output_len),
             evict=evict, pinned_models=pin or [], hf_token_secret=hf_token_secret,
         )
     except ValidationError as exc:
-        err = exc.errors()[0]
-        typer.echo(f"error: bad option {'.'.join(str(p) for p in err['loc'])}: {err['msg']}", err=True)
-        raise typer.Exit(2)
-    except ValueError as exc:
-        typer.echo(f"error: bad option --concurrency {concurrency!r}: {exc}", err=True)
-        raise typer.Exit(2)
+        _bad_option(exc)
     try:
         result = deploy_model(config)
     except Exception as exc:

@@ -8,6 +8,7 @@ without touching the GPUs; deploy_model composes it with the GPU probe, vLLM and
 # annotation objects when a worker loads this module, and a string "DeployConfig" cannot be resolved.
 import json
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 from prefect import flow, get_run_logger
@@ -15,9 +16,9 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.blocks.system import Secret
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.futures import wait
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field
 
-from tasks.bench import bench_level, saturated
+from tasks.bench import BenchSpec, bench_level, sweep
 from tasks.disk import GB, evict_task, plan_disk_task
 from tasks.gpu import HardwarePlan, check_hardware_task, kv_cache_is_fp8, probe_gpus
 from tasks.host_lock import host_lock
@@ -69,21 +70,7 @@ class DeployConfig(BaseModel):
     port: int = Field(8000, ge=0, le=65535, description="Server port; 0 picks a free one")
     api_key_secret: str | None = Field(None, description="Prefect Secret block holding the server's API key")
     startup_timeout_s: float = Field(1800, gt=0, description="Load deadline; a 1T model takes 5-15 minutes")
-    concurrency_levels: list[int] = Field([1, 2, 4, 8, 16, 32, 64, 128, 256], min_length=1,
-                                          description="Requests in flight per level, swept in order")
-    min_throughput_gain: float | None = Field(
-        0.05, ge=0, description="Stop the sweep when a level adds less than this share of throughput; empty: never")
-    requests_per_level: int = Field(64, ge=1, description="Requests per level (at least the level's concurrency)")
-    input_len: int = Field(1024, ge=1, description="Prompt tokens per request")
-    output_len: int = Field(256, ge=2, description="Output tokens per request (ignore_eos makes it exact)")
-    seed: int = Field(0, description="Prompt generation seed")
-
-    @field_validator("concurrency_levels")
-    @classmethod
-    def _positive_levels(cls, levels: list[int]) -> list[int]:
-        if any(c < 1 for c in levels):
-            raise ValueError("every concurrency level must be >= 1")
-        return sorted(set(levels))
+    bench: BenchSpec = Field(default_factory=BenchSpec, description="Benchmark load and sweep")
 
     @property
     def cache_dir(self) -> Path:
@@ -248,27 +235,29 @@ def _deploy(config: DeployConfig) -> DeployResult:
     try:
         logger.info("vLLM ready at %s after %.0f s", handle.base_url, handle.startup_s)
         server = publish_facts(handle, handle.startup_s, f"server-{slug}")
+        spec = config.bench
+        results_dir = config.run_dir / "bench" / slug / datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         vocab = _vocab_size(prepared.model_dir)
-        rows = []
-        for c in config.concurrency_levels:
-            rows.append(bench_level(handle.base_url, server_cfg.served_model_name, c,
-                                    max(config.requests_per_level, c), config.input_len, config.output_len, vocab,
-                                    config.seed, api_key=api_key))
-            if saturated(rows, config.min_throughput_gain):
-                logger.info("saturated at concurrency %d: less than %.0f%% more throughput than %d; sweep stops",
-                            c, 100 * config.min_throughput_gain, rows[-2]["concurrency"])
-                break
+        stops: list[str] = []
+        rows = sweep(spec, lambda c: bench_level(handle.base_url, server_cfg.served_model_name, spec, c, vocab,
+                                                 prepared.model_dir, api_key, results_dir), stops.append)
+        for reason in stops:
+            logger.info("%s; the sweep stops", reason)
     finally:
         stop_server(handle)
     facts = {
         "Revision": f"{config.revision} ({prepared.commit[:12]})",
         "Platform": gpu.platform + (f" ({len(gpu.gpus)}x {gpu.gpus[0].name})" if gpu.gpus else ""),
         "Parallelism": f"TP={config.vllm.tensor_parallel_size}, EP={'on' if config.vllm.enable_expert_parallel else 'off'}",
-        "Lengths": f"input {config.input_len}, output {config.output_len} tokens",
+        "Load": (f"{spec.api}, input {spec.input_len}, output {spec.output_len} tokens, "
+                 + (f"{spec.request_rate} req/s (burstiness {spec.burstiness})" if spec.request_rate
+                    else "all requests at once") + f", {spec.requests_per_level} per level"),
+        **({"SLO": ", ".join(f"{k} <= {v:g} ms" for k, v in spec.slos_ms.items())
+            + f" for {spec.slo_attainment:.0%} of requests"} if spec.slos_ms else {}),
         "vLLM": f"{server['vllm_version']}, ready in {server['startup_s']} s, KV cache "
                 f"{server.get('kv_cache_tokens', '?')} tokens",
     }
-    publish_results(rows, config.repo_id, facts)
+    publish_results(rows, config.repo_id, facts, results_dir, stops[0] if stops else None)
     write_last_good(config.run_dir, LastGood(repo_id=prepared.repo_id, commit=prepared.commit,
                                              model_dir=prepared.model_dir))
     return DeployResult(prepared=prepared, platform=gpu.platform, results=rows)

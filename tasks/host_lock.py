@@ -19,6 +19,9 @@ from prefect.concurrency.sync import concurrency
 from prefect.exceptions import ObjectAlreadyExists
 
 
+LEASE_S = 60.0  # renewed while the deploy lives; a deploy killed with SIGKILL frees the host after this
+
+
 class HostBusyError(RuntimeError):
     """Another deploy holds this host's GPUs."""
 
@@ -43,7 +46,8 @@ def host_lock(host: str | None = None, wait_s: float = 5.0) -> Iterator[str]:
     ensure_limit(name)
     with ExitStack() as held:
         try:  # only the acquisition: a TimeoutError from inside the block is the block's own
-            held.enter_context(concurrency(name, occupy=1, timeout_seconds=wait_s, strict=True))
+            held.enter_context(concurrency(name, occupy=1, timeout_seconds=wait_s, strict=True,
+                                           lease_duration=LEASE_S))
         except TimeoutError as exc:  # AcquireConcurrencySlotTimeoutError is a TimeoutError
             raise HostBusyError(
                 f"another deploy is running on this host (Prefect concurrency limit {name} is full); "

@@ -1,17 +1,20 @@
-"""Benchmark results as a table and a summary in the Prefect UI, keyed per model for history."""
+"""Benchmark results as files beside the run and as Prefect artifacts, keyed per model for history."""
 
 from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 
 import pandas as pd
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
+from tasks.bench import knee
+
 SUMMARY_COLUMNS = [
     "concurrency", "completed", "failed", "output_throughput", "total_token_throughput",
-    "ttft_mean_ms", "ttft_p99_ms", "tpot_mean_ms", "itl_p99_ms", "e2el_p99_ms",
+    "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_itl_ms", "p99_e2el_ms", "flags",
 ]
 
 
@@ -33,31 +36,76 @@ def _plain(value):
     return value
 
 
-def summary_markdown(df: pd.DataFrame, title: str, facts: dict[str, str]) -> str:
-    best = df.loc[df["output_throughput"].idxmax()]
+def write_chart(df: pd.DataFrame, path: Path, title: str) -> Path:
+    """Throughput and p99 latencies against concurrency: where the curve bends is the knee."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on a GPU host or in CI
+    import matplotlib.pyplot as plt
+
+    fig, (tput, lat) = plt.subplots(1, 2, figsize=(11, 4))
+    tput.plot(df["concurrency"], df["output_throughput"], marker="o", label="output tok/s")
+    tput.plot(df["concurrency"], df["total_token_throughput"], marker=".", linestyle="--", label="total tok/s")
+    tput.set(xlabel="concurrency", ylabel="tokens/s", xscale="log", title="Throughput")
+    tput.legend()
+    for column, label in (("p99_ttft_ms", "p99 TTFT"), ("p99_tpot_ms", "p99 TPOT"), ("p99_e2el_ms", "p99 E2E")):
+        lat.plot(df["concurrency"], df[column], marker="o", label=label)
+    lat.set(xlabel="concurrency", ylabel="ms", xscale="log", yscale="log", title="p99 latency")
+    lat.legend()
+    for axis in (tput, lat):
+        axis.set_xticks(df["concurrency"], [str(c) for c in df["concurrency"]])
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def summary_markdown(df: pd.DataFrame, title: str, facts: dict[str, str], stop: str | None = None,
+                     chart: Path | None = None) -> str:
+    best = knee(df.to_dict(orient="records"))
     single = df[df["concurrency"] == 1]
     lines = [f"# {title}", ""]
     lines += [f"- **{k}:** {v}" for k, v in facts.items()]
     if not single.empty:
         lines.append(f"- **Single stream:** {single['output_throughput'].iloc[0]:.1f} output tok/s")
-    lines.append(f"- **Peak (knee):** {best['output_throughput']:.1f} output tok/s at concurrency "
-                 f"{int(best['concurrency'])}")
+    if best is not None:
+        lines.append(f"- **Peak (knee):** {best['output_throughput']:.1f} output tok/s at concurrency "
+                     f"{int(best['concurrency'])}")
+    else:
+        lines.append("- **Peak (knee):** none: no level met the SLO")
+    lines.append(f"- **Sweep ended:** {stop or 'after the last level'}")
+    flagged = df[df["flags"] != ""]
+    for _, row in flagged.iterrows():
+        lines.append(f"- **Concurrency {int(row['concurrency'])}:** {row['flags']}")
+    if chart is not None:
+        lines.append(f"- **Chart:** [{chart.name}]({chart.as_uri()}) (results in `{chart.parent}`)")
     lines += ["", df[SUMMARY_COLUMNS].round(2).to_markdown(index=False)]
     return "\n".join(lines)
 
 
-@task(name="publish-results", tags=["report"])
-def publish_results(rows: list[dict], repo_id: str, facts: dict[str, str]) -> pd.DataFrame:
+def save_results(rows: list[dict], results_dir: Path, title: str, facts: dict[str, str],
+                 stop: str | None) -> tuple[pd.DataFrame, str]:
+    """results.csv, chart.png and summary.md next to the per-level JSON files."""
     df = bench_table(rows)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    df.to_csv(results_dir / "results.csv", index=False)
+    chart = write_chart(df, results_dir / "chart.png", title)
+    markdown = summary_markdown(df, title, facts, stop, chart)
+    (results_dir / "summary.md").write_text(markdown + "\n")
+    return df, markdown
+
+
+@task(name="publish-results", tags=["report"])
+def publish_results(rows: list[dict], repo_id: str, facts: dict[str, str], results_dir: Path,
+                    stop: str | None) -> pd.DataFrame:
+    df, markdown = save_results(rows, results_dir, f"Benchmark of {repo_id}", facts, stop)
     slug = model_slug(repo_id)
     create_table_artifact(
         key=f"bench-{slug}",
         table=[{k: _plain(v) for k, v in row.items()} for row in df.to_dict(orient="records")],
         description=f"Concurrency sweep of {repo_id}",
     )
-    create_markdown_artifact(
-        key=f"bench-summary-{slug}",
-        markdown=summary_markdown(df, f"Benchmark of {repo_id}", facts),
-        description=f"Benchmark summary of {repo_id}",
-    )
+    create_markdown_artifact(key=f"bench-summary-{slug}", markdown=markdown,
+                             description=f"Benchmark summary of {repo_id}")
     return df

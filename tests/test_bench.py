@@ -1,56 +1,195 @@
-"""Metric definitions, checked on records whose timings are known."""
+"""Metric definitions, checked on records with known timings and against a server with known delays."""
 
+import asyncio
+import json
+import time
+
+import numpy as np
 import pytest
 
-from fake_openai import DelayServer
+from flows.demo.openai_server import StreamingServer
+from tasks.bench import (
+    BenchConfigError,
+    BenchSpec,
+    LevelRun,
+    RequestRecord,
+    ServerSamples,
+    _watch_loop,
+    arrival_offsets,
+    geometric_levels,
+    knee,
+    level_prompts,
+    make_prompts,
+    run_level,
+    stop_reason,
+    summarize,
+    sweep,
+)
 
-from tasks.bench import RequestRecord, make_prompts, run_level, saturated, summarize
+SPEC = BenchSpec(input_len=16, output_len=20, requests_per_level=8)
+
+
+def _run(records, duration_s=2.0, lags=(), cpu_s=0.1, server=None) -> LevelRun:
+    return LevelRun(records, duration_s, list(lags), cpu_s, server or ServerSamples())
 
 
 def test_tpot_is_decode_time_over_tokens_after_the_first():
-    r = RequestRecord(ok=True, e2e_s=1.0, ttft_s=0.1, itl_s=[0.1] * 9, prompt_tokens=5, output_tokens=10)
+    r = RequestRecord(ok=True, start_s=0, e2e_s=1.0, ttft_s=0.1, itl_s=[0.1] * 9, prompt_tokens=5, output_tokens=10)
     assert r.tpot_s == pytest.approx(0.1)
-    assert RequestRecord(ok=True, e2e_s=1.0, ttft_s=0.1, output_tokens=1).tpot_s is None
+    assert RequestRecord(ok=True, start_s=0, e2e_s=1.0, ttft_s=0.1, output_tokens=1).tpot_s is None
 
 
-def test_summary_uses_server_token_counts_and_wall_time():
+def test_summary_uses_server_token_counts_wall_time_and_vllm_keys():
     records = [
-        RequestRecord(ok=True, e2e_s=0.5, ttft_s=0.05, itl_s=[0.01, 0.02], prompt_tokens=64, output_tokens=32),
-        RequestRecord(ok=True, e2e_s=0.7, ttft_s=0.15, itl_s=[0.03], prompt_tokens=64, output_tokens=32),
-        RequestRecord(ok=False, e2e_s=0.1, error="APIConnectionError"),
+        RequestRecord(ok=True, start_s=0, e2e_s=0.5, ttft_s=0.05, itl_s=[0.01, 0.02], prompt_tokens=64,
+                      output_tokens=32),
+        RequestRecord(ok=True, start_s=0, e2e_s=0.7, ttft_s=0.15, itl_s=[0.03], prompt_tokens=64, output_tokens=32),
+        RequestRecord(ok=False, start_s=0, e2e_s=0.1, error="APIConnectionError"),
     ]
-    row = summarize(concurrency=2, records=records, duration_s=2.0)
+    row = summarize(2, _run(records), SPEC)
     assert (row["requests"], row["completed"], row["failed"]) == (3, 2, 1)
-    assert row["errors"] == "APIConnectionError=1"
+    assert row["errors"] == "APIConnectionError=1" and "failures" in row["flags"]
     assert row["output_throughput"] == pytest.approx(32.0)
     assert row["total_token_throughput"] == pytest.approx(96.0)
-    assert row["ttft_mean_ms"] == pytest.approx(100.0)
-    assert row["itl_mean_ms"] == pytest.approx(20.0)
-    assert row["tpot_mean_ms"] == pytest.approx(((0.45 / 31) + (0.55 / 31)) / 2 * 1000)
+    assert row["mean_ttft_ms"] == pytest.approx(100.0)
+    assert row["mean_itl_ms"] == pytest.approx(20.0)
+    assert row["std_ttft_ms"] == pytest.approx(50.0)
+    assert row["mean_tpot_ms"] == pytest.approx(((0.45 / 31) + (0.55 / 31)) / 2 * 1000)
+    assert row["request_goodput"] is None and row["within_slo"] is None  # no SLO given
+
+
+def test_goodput_counts_requests_within_every_slo():
+    fast = RequestRecord(ok=True, start_s=0, e2e_s=0.5, ttft_s=0.05, prompt_tokens=8, output_tokens=11)  # TPOT 45 ms
+    slow_first = RequestRecord(ok=True, start_s=0, e2e_s=0.9, ttft_s=0.4, prompt_tokens=8, output_tokens=11)
+    slow_decode = RequestRecord(ok=True, start_s=0, e2e_s=1.05, ttft_s=0.05, prompt_tokens=8, output_tokens=11)
+    spec = SPEC.model_copy(update=dict(slo_ttft_ms=100, slo_tpot_ms=50, slo_attainment=0.5))
+    row = summarize(3, _run([fast, slow_first, slow_decode], duration_s=2.0), spec)
+    assert row["request_goodput"] == pytest.approx(0.5)  # one good request in 2 s
+    assert row["slo_attainment"] == pytest.approx(1 / 3)
+    assert row["within_slo"] is False and "slo-missed" in row["flags"]
+    assert summarize(3, _run([fast, fast, slow_first]), spec)["within_slo"] is True  # 2/3 >= 50%
 
 
 def test_prompts_are_exact_length_reproducible_and_avoid_vocab_ends():
     a = make_prompts(4, 128, vocab_size=163840, seed=7)
-    assert a == make_prompts(4, 128, vocab_size=163840, seed=7)
+    assert a == make_prompts(4, 128, vocab_size=163840, seed=7) and a != make_prompts(4, 128, 163840, seed=8)
     assert all(len(p) == 128 for p in a)
     assert min(min(p) for p in a) >= 100 and max(max(p) for p in a) < 163840 - 1000
 
 
+def test_chat_prompts_come_from_the_tokenizer_or_a_dataset(hub_root, tmp_path):
+    chat = SPEC.model_copy(update=dict(api="chat", input_len=32))
+    texts = level_prompts(chat, 4, None, hub_root / "demo" / "tiny-moe")
+    assert len(texts) == 8 and all(isinstance(t, str) and t for t in texts)
+    with pytest.raises(BenchConfigError, match="tokenizer"):
+        level_prompts(chat, 4, 32000, None)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "hello"}\n{"prompt": "world"}\n')
+    assert level_prompts(chat.model_copy(update=dict(dataset=data)), 1, None, None)[:3] == ["hello", "world", "hello"]
+    data.write_text('{"text": "no prompt key"}\n')
+    with pytest.raises(BenchConfigError, match=str(data)):
+        level_prompts(chat.model_copy(update=dict(dataset=data)), 1, None, None)
+
+
+def test_arrivals_are_poisson_at_the_rate_and_burstiness_shapes_them():
+    steady = np.diff(arrival_offsets(4000, rate=20.0, burstiness=1.0, seed=1))
+    assert steady.mean() == pytest.approx(1 / 20, rel=0.05)
+    assert (steady.std() / steady.mean()) ** 2 == pytest.approx(1.0, rel=0.1)  # exponential gaps
+    bursty = np.diff(arrival_offsets(4000, rate=20.0, burstiness=0.25, seed=1))
+    assert bursty.mean() == pytest.approx(1 / 20, rel=0.1)
+    assert (bursty.std() / bursty.mean()) ** 2 == pytest.approx(4.0, rel=0.15)  # CV^2 = 1 / burstiness
+    assert not arrival_offsets(5, None, 1.0, 0).any()  # no rate: all at once
+
+
 @pytest.mark.parametrize("concurrency", [1, 32])
-def test_measured_latencies_match_what_the_server_injected(concurrency):
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_measured_latencies_match_what_the_server_injected(concurrency, api, hub_root):
+    # Chat streams open with a role-only chunk at once: TTFT must wait for the first content.
     ttft, itl = 0.200, 0.020
-    with DelayServer(ttft_s=ttft, itl_s=itl) as server:
-        row = run_level(server.base_url, "fake", concurrency, num_requests=max(8, 2 * concurrency), input_len=16,
-                        output_len=20, vocab_size=1000)
+    spec = SPEC.model_copy(update=dict(api=api, requests_per_level=max(8, 2 * concurrency)))
+    with StreamingServer(ttft_s=ttft, itl_s=itl) as server:
+        row = run_level(server.base_url, "fake", spec, concurrency, vocab_size=1000,
+                        tokenizer=hub_root / "demo" / "tiny-moe")
     assert row["failed"] == 0 and row["total_output_tokens"] == max(8, 2 * concurrency) * 20
     for metric, injected in (("ttft", ttft), ("tpot", itl), ("itl", itl)):
-        measured = row[f"{metric}_median_ms"] / 1000
+        measured = row[f"median_{metric}_ms"] / 1000
         assert abs(measured - injected) <= max(0.05 * injected, 0.002), (metric, measured, injected)
+    assert "client-limited" not in row["flags"]
 
 
-def test_sweep_stops_when_a_level_adds_too_little_throughput():
-    rows = [{"concurrency": c, "output_throughput": t} for c, t in ((1, 80.0), (2, 150.0), (4, 155.0))]
-    assert not saturated(rows[:1], 0.05)
-    assert not saturated(rows[:2], 0.05)  # +87%
-    assert saturated(rows, 0.05)  # +3%
-    assert not saturated(rows, None)  # sweeping every level was asked for
+def test_a_chunk_of_k_tokens_counts_as_k_intervals():
+    spec = SPEC.model_copy(update=dict(output_len=24, requests_per_level=4))
+    with StreamingServer(ttft_s=0.05, itl_s=0.010, tokens_per_chunk=4) as server:
+        row = run_level(server.base_url, "fake", spec, 1, vocab_size=1000)
+        plain = run_level(server.base_url, "fake", spec.model_copy(update=dict(continuous_usage=False)), 1,
+                          vocab_size=1000)
+    assert row["total_output_tokens"] == 4 * 24
+    assert row["median_itl_ms"] == pytest.approx(10.0, abs=2.0)  # 40 ms gaps, 4 tokens each
+    assert plain["median_itl_ms"] == pytest.approx(40.0, abs=2.0)  # without per-chunk usage: per chunk
+    assert plain["total_output_tokens"] == 4 * 24  # counts from the final usage either way
+
+
+def test_server_queueing_is_scraped_from_metrics_and_flagged(tmp_path):
+    spec = SPEC.model_copy(update=dict(output_len=20, requests_per_level=16))
+    with StreamingServer(ttft_s=0.02, itl_s=0.010, slots=4) as server:
+        fits = run_level(server.base_url, "fake", spec, 4, vocab_size=1000, scrape_interval_s=0.05)
+        queued = run_level(server.base_url, "fake", spec, 8, vocab_size=1000, scrape_interval_s=0.05,
+                           results_dir=tmp_path)
+    assert fits["server_waiting_max"] == 0 and "queued" not in fits["flags"]
+    assert fits["server_running_max"] == 4
+    assert queued["server_waiting_max"] >= 1 and "queued" in queued["flags"]
+    assert queued["server_kv_cache_usage_max"] == pytest.approx(1.0) and "kv-cache-full" in queued["flags"]
+    assert queued["server_output_throughput"] == pytest.approx(queued["output_throughput"], rel=0.25)
+    saved = json.loads((tmp_path / "level-c0008.json").read_text())
+    vllm_keys = {"date", "backend", "model_id", "num_prompts", "request_rate", "burstiness", "max_concurrency",
+                 "duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
+                 "request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
+                 "input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times", "errors",
+                 "mean_ttft_ms", "median_ttft_ms", "std_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms",
+                 "mean_itl_ms", "p99_itl_ms", "mean_e2el_ms", "p99_e2el_ms"}
+    assert vllm_keys <= saved.keys()
+    assert saved["output_lens"] == [20] * 16 and len(saved["itls"][0]) == 19
+
+
+def test_a_blocked_event_loop_is_measured_as_lag():
+    async def blocked() -> list[float]:
+        lags: list[float] = []
+        watcher = asyncio.create_task(_watch_loop(lags))
+        await asyncio.sleep(0.02)
+        time.sleep(0.05)  # what a client parsing on one core does to every timestamp
+        await asyncio.sleep(0.02)
+        watcher.cancel()
+        return lags
+
+    lags = asyncio.run(blocked())
+    assert max(lags) >= 0.045
+    row = summarize(1, _run([RequestRecord(ok=True, start_s=0, e2e_s=1, ttft_s=0.1, output_tokens=2)], lags=lags),
+                    SPEC)
+    assert row["client_loop_lag_p99_ms"] > SPEC.max_loop_lag_ms and "client-limited" in row["flags"]
+
+
+def test_sweep_stops_when_a_level_adds_too_little_throughput_and_names_the_knee():
+    throughput = {1: 80.0, 2: 150.0, 4: 155.0, 8: 300.0}
+    spec = SPEC.model_copy(update=dict(concurrency_levels=[1, 2, 4, 8]))
+    stops: list[str] = []
+    rows = sweep(spec, lambda c: {"concurrency": c, "output_throughput": throughput[c], "completed": 1}, stops.append)
+    assert [r["concurrency"] for r in rows] == [1, 2, 4]
+    assert stops == [stop_reason(rows, 0.05)] and "saturated at concurrency 4" in stops[0]
+    assert knee(rows)["concurrency"] == 4
+    every = sweep(spec.model_copy(update=dict(min_throughput_gain=None)),
+                  lambda c: {"concurrency": c, "output_throughput": throughput[c], "completed": 1})
+    assert len(every) == 4  # sweeping every level was asked for
+
+
+def test_sweep_stops_when_the_slo_breaks_and_the_knee_stays_within_it():
+    rows = [{"concurrency": 1, "output_throughput": 80.0, "completed": 8, "within_slo": True, "slo_attainment": 1.0},
+            {"concurrency": 2, "output_throughput": 150.0, "completed": 8, "within_slo": True, "slo_attainment": 1.0},
+            {"concurrency": 4, "output_throughput": 290.0, "completed": 8, "within_slo": False, "slo_attainment": 0.5}]
+    assert "SLO missed at concurrency 4 (50% of requests within)" == stop_reason(rows, 0.05)
+    assert knee(rows)["concurrency"] == 2
+
+
+def test_geometric_levels_end_at_the_maximum():
+    assert geometric_levels(256) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert geometric_levels(100) == [1, 2, 4, 8, 16, 32, 64, 100]
+    assert geometric_levels(1) == [1]

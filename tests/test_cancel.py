@@ -16,7 +16,7 @@ from prefect.settings import PREFECT_API_URL
 from prefect.states import Cancelling
 
 from flows.demo import demo_config
-from tasks.host_lock import host_lock
+from tasks.host_lock import LEASE_S, host_lock
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 
@@ -52,7 +52,9 @@ def test_cancel_mid_sweep_stops_vllm(local_hub, tmp_path):
         assert final.is_cancelled(), final
         _wait(lambda: vllm_processes() == [], 60, "vLLM to be gone")
         assert not (tmp_path / "models" / ".rollout" / "server.json").exists()
-        with host_lock(wait_s=10):  # the cancelled run gave the host back: the next deploy may start
+        # The cancelled run gave the host back, at the latest when its lease lapsed (the runner
+        # kills a flow process that does not exit in its grace period): the next deploy may start.
+        with host_lock(wait_s=LEASE_S + 30):
             pass
     finally:
         os.killpg(runner.pid, 15)

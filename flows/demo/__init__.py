@@ -28,12 +28,16 @@ def build_demo_repos(hub_root: Path) -> None:
 
 
 def demo_config(endpoint: str, models_root: Path, **overrides):
-    """The demo's DeployConfig; an override named like a VllmSettings field goes to `vllm`."""
+    """The demo's DeployConfig; an override named like a VllmSettings or BenchSpec field goes there."""
     from flows.deploy import DeployConfig
+    from tasks.bench import BenchSpec
     from tasks.server import VllmSettings
 
     vllm = dict(tensor_parallel_size=1, enable_expert_parallel=True, max_model_len=1024)
     vllm |= {k: overrides.pop(k) for k in list(overrides) if k in VllmSettings.model_fields}
+    # Two CPU cores saturate early; the demo sweeps until throughput stops growing.
+    bench = dict(concurrency_levels=[1, 2, 4, 8, 16, 32, 64], requests_per_level=8, input_len=64, output_len=32)
+    bench |= {k: overrides.pop(k) for k in list(overrides) if k in BenchSpec.model_fields}
     settings = dict(
         repo_id=BF16_REPO,
         models_root=models_root,
@@ -42,11 +46,7 @@ def demo_config(endpoint: str, models_root: Path, **overrides):
         vllm=VllmSettings(**vllm),
         port=0,
         startup_timeout_s=600,
-        concurrency_levels=[1, 2, 4],
-        min_throughput_gain=None,  # two CPU cores saturate early; the demo shows every level
-        requests_per_level=8,
-        input_len=64,
-        output_len=32,
+        bench=BenchSpec(**bench),
     )
     return DeployConfig(**{**settings, **overrides})
 

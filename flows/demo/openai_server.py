@@ -1,0 +1,175 @@
+"""An OpenAI-compatible streaming server whose timings, batching and queueing are set by the caller.
+
+The benchmark's definitions are checked against it: it waits ttft_s before the first content chunk
+and itl_s per token after (deadlines from the request's start, so sleep jitter does not
+accumulate), puts tokens_per_chunk tokens in each chunk, and runs at most `slots` requests at once,
+the rest wait, as a server's scheduler queue does, and /metrics reports both in vLLM's names. Chat
+streams open with a role-only chunk, as vLLM's do, which no honest TTFT counts. With itl_s 0 it
+sends as fast as it can (events_per_write events per write), to find a client's ingest ceiling.
+
+A raw ASGI app on uvicorn in a child process: nothing between the socket and the loop but what the
+test asks for, and no share of the measuring client's interpreter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import uvicorn
+
+
+def _event(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+class StreamingServer:
+    def __init__(self, ttft_s: float = 0.0, itl_s: float = 0.0, tokens_per_chunk: int = 1,
+                 slots: int | None = None, events_per_write: int = 1, port: int = 0):
+        self.ttft_s, self.itl_s, self.tokens_per_chunk = ttft_s, itl_s, tokens_per_chunk
+        self.events_per_write = events_per_write
+        self.slots = slots
+        self._gate = asyncio.Semaphore(slots) if slots else None
+        self.running = self.waiting = 0
+        self.generated = 0
+        if not port:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        self.port = port
+        self.base_url = f"http://127.0.0.1:{port}"
+
+    async def app(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        path = scope["path"]
+        if path == "/metrics":
+            await self._plain(send, self._metrics().encode())
+        elif path in ("/v1/completions", "/v1/chat/completions"):
+            await self._stream(send, json.loads(body), chat=path.endswith("chat/completions"))
+        else:
+            await self._plain(send, b"not found", status=404)
+
+    @staticmethod
+    async def _plain(send, data: bytes, status: int = 200) -> None:
+        await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": data})
+
+    def _metrics(self) -> str:
+        labels = '{engine="0",model_name="fake"}'
+        return "".join([
+            "# TYPE vllm:num_requests_running gauge\n", f"vllm:num_requests_running{labels} {self.running}\n",
+            "# TYPE vllm:num_requests_waiting gauge\n", f"vllm:num_requests_waiting{labels} {self.waiting}\n",
+            "# TYPE vllm:kv_cache_usage_perc gauge\n",
+            f"vllm:kv_cache_usage_perc{labels} {self.running / self.slots if self.slots else 0.0}\n",
+            "# TYPE vllm:generation_tokens counter\n", f"vllm:generation_tokens_total{labels} {self.generated}\n",
+        ])
+
+    async def _stream(self, send, body: dict, chat: bool) -> None:
+        self.waiting += 1
+        if self._gate:
+            await self._gate.acquire()
+        self.waiting -= 1
+        self.running += 1
+        try:
+            await self._send_tokens(send, body, chat)
+        finally:
+            self.running -= 1
+            if self._gate:
+                self._gate.release()
+
+    async def _send_tokens(self, send, body: dict, chat: bool) -> None:
+        start = time.perf_counter()
+        n = int(body.get("max_completion_tokens") or body["max_tokens"])
+        prompt_tokens = len(body["prompt"]) if not chat else sum(len(m["content"].split()) for m in body["messages"])
+        continuous = bool((body.get("stream_options") or {}).get("continuous_usage_stats"))
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        base = {"id": "x", "object": kind, "created": 0, "model": body["model"]}
+
+        def usage(done: int) -> dict:
+            return {"prompt_tokens": prompt_tokens, "completion_tokens": done, "total_tokens": prompt_tokens + done}
+
+        def choice(text: str, role: bool = False) -> dict:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if role else {"content": text}
+                return {"index": 0, "delta": delta, "finish_reason": None}
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": None}
+
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        pending = [_event({**base, "choices": [choice("", role=True)]})] if chat else []
+        done = 0
+        while done < n:
+            k = min(self.tokens_per_chunk, n - done)
+            done += k
+            wait = start + self.ttft_s + (done - k) * self.itl_s - time.perf_counter()
+            if wait > 0 or len(pending) >= self.events_per_write:
+                if pending:
+                    await send({"type": "http.response.body", "body": b"".join(pending), "more_body": True})
+                    pending = []
+                if wait > 0:
+                    await asyncio.sleep(wait)
+            payload = {**base, "choices": [choice(" t" * k)]}
+            if continuous:
+                payload["usage"] = usage(done)
+            pending.append(_event(payload))
+            self.generated += k
+        pending += [_event({**base, "choices": [], "usage": usage(n)}), b"data: [DONE]\n\n"]
+        await send({"type": "http.response.body", "body": b"".join(pending), "more_body": False})
+
+    def __enter__(self) -> "StreamingServer":
+        """Serve from a child process: a server sharing the client's GIL would delay its timestamps."""
+        args = [sys.executable, "-m", "flows.demo.openai_server", "--port", self.base_url.rsplit(":", 1)[1],
+                "--ttft-s", str(self.ttft_s), "--itl-s", str(self.itl_s), "--tokens-per-chunk",
+                str(self.tokens_per_chunk), "--events-per-write", str(self.events_per_write)]
+        if self.slots:
+            args += ["--slots", str(self.slots)]
+        self._child = subprocess.Popen(args, stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return self
+            except OSError:
+                if self._child.poll() is not None or time.monotonic() > deadline:
+                    self._child.kill()
+                    raise RuntimeError(f"streaming server on port {self.port} did not start")
+                time.sleep(0.05)
+
+    def __exit__(self, *exc) -> None:
+        self._child.terminate()
+        self._child.wait(timeout=10)
+
+    def serve(self) -> None:
+        """In this process, on uvloop, until killed."""
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="error", lifespan="off",
+                                interface="asgi3", loop="uvloop", http="httptools")
+        uvicorn.Server(config).run()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--ttft-s", type=float, default=0.0)
+    parser.add_argument("--itl-s", type=float, default=0.0)
+    parser.add_argument("--tokens-per-chunk", type=int, default=1)
+    parser.add_argument("--slots", type=int)
+    parser.add_argument("--events-per-write", type=int, default=1)
+    args = parser.parse_args()
+    StreamingServer(args.ttft_s, args.itl_s, args.tokens_per_chunk, args.slots, args.events_per_write,
+                    args.port).serve()
+
+
+if __name__ == "__main__":
+    main()
