@@ -161,5 +161,80 @@ def deploy(
     _print_table(result.results)
 
 
+@app.command()
+def bench(
+    base_url: Annotated[str, typer.Option(help="OpenAI-compatible server, e.g. http://gpu-host:8000")],
+    model: Annotated[str, typer.Option(help="Model name as the server lists it in /v1/models")],
+    api: Annotated[str, typer.Option(help="completions or chat")] = "completions",
+    concurrency: Concurrency = DEFAULT_LEVELS,
+    max_concurrency: Annotated[Optional[int], typer.Option(help="Sweep 1, 2, 4, ... up to this instead")] = None,
+    requests_per_level: RequestsPerLevel = 64,
+    input_len: InputLen = 1024,
+    output_len: OutputLen = 256,
+    request_rate: Annotated[Optional[float], typer.Option(help="Poisson arrivals per second")] = None,
+    burstiness: float = 1.0,
+    min_gain: Annotated[Optional[float], typer.Option(help="Stop when a level adds less throughput")] = 0.05,
+    slo_ttft_ms: Optional[float] = None,
+    slo_tpot_ms: Optional[float] = None,
+    slo_e2el_ms: Optional[float] = None,
+    tokenizer: Annotated[Optional[Path], typer.Option(help="Tokenizer folder, for chat prompts")] = None,
+    vocab_size: Annotated[Optional[int], typer.Option(help="Vocab size, for token-id prompts")] = None,
+    dataset: Annotated[Optional[Path], typer.Option(help="JSONL of {\"prompt\": text}")] = None,
+    results_dir: Annotated[Optional[Path], typer.Option(help="Default: bench-results/<model>-<time>")] = None,
+    api_key: Annotated[Optional[str], typer.Option(envvar="OPENAI_API_KEY", help="Server API key")] = None,
+) -> None:
+    """Sweep concurrency against any OpenAI-compatible server: no Prefect, no deploy."""
+    from datetime import datetime, timezone
+
+    import httpx
+    from pydantic import ValidationError
+
+    from tasks.bench import BenchConfigError, BenchSpec, geometric_levels, level_prompts, run_level, sweep
+    from tasks.report import model_slug, save_results
+
+    try:
+        spec = BenchSpec(
+            api=api, concurrency_levels=geometric_levels(max_concurrency) if max_concurrency else _levels(concurrency),
+            requests_per_level=requests_per_level, input_len=input_len, output_len=output_len,
+            request_rate=request_rate, burstiness=burstiness, min_throughput_gain=min_gain, dataset=dataset,
+            slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, slo_e2el_ms=slo_e2el_ms,
+        )
+        level_prompts(spec, 1, vocab_size, tokenizer)
+    except ValidationError as exc:
+        _bad_option(exc)
+    except BenchConfigError as exc:
+        typer.echo(f"error: {exc} (--tokenizer, --vocab-size or --dataset)", err=True)
+        raise typer.Exit(2)
+    base_url = base_url.rstrip("/").removesuffix("/v1")
+    try:
+        listed = httpx.get(f"{base_url}/v1/models", timeout=10,
+                           headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+        listed.raise_for_status()
+        served = [m["id"] for m in listed.json()["data"]]
+    except (httpx.HTTPError, ValueError, KeyError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        typer.echo(f"error: --base-url {base_url}: no OpenAI model list at /v1/models ({reason})", err=True)
+        raise typer.Exit(1)
+    if model not in served:
+        typer.echo(f"error: --model {model!r} is not served at {base_url}; it serves {', '.join(served)}", err=True)
+        raise typer.Exit(1)
+    out = results_dir or Path("bench-results") / f"{model_slug(model)}-{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}"
+
+    def level(c: int) -> dict:
+        row = run_level(base_url, model, spec, c, vocab_size, tokenizer, api_key, out)
+        typer.echo(f"c={c}: {row['output_throughput']:.1f} output tok/s, p99 TTFT {row['p99_ttft_ms'] or 0:.1f} ms"
+                   + (f"  [{row['flags']}]" if row["flags"] else ""))
+        return row
+
+    stops: list[str] = []
+    rows = sweep(spec, level, stops.append)
+    facts = {"Server": base_url, "Load": f"{api}, input {input_len}, output {output_len} tokens"}
+    _, markdown = save_results(rows, out, f"Benchmark of {model}", facts, stops[0] if stops else None)
+    typer.echo("")
+    _print_table(rows)
+    typer.echo("\n" + "\n".join(line for line in markdown.splitlines() if line.startswith("- **")))
+    typer.echo(f"\nresults: {out}")
+
+
 if __name__ == "__main__":
     app()

@@ -427,7 +427,7 @@ def level_json(row: dict, run: LevelRun, model: str, spec: BenchSpec) -> dict:
 
 def run_level(base_url: str, model: str, spec: BenchSpec, concurrency: int, vocab_size: int | None = None,
               tokenizer: str | Path | None = None, api_key: str | None = None, results_dir: Path | None = None,
-              scrape_interval_s: float = 0.5) -> dict:
+              scrape_interval_s: float = 0.2) -> dict:
     """One level, at most `concurrency` in flight; its JSON goes to results_dir."""
     prompts = level_prompts(spec, concurrency, vocab_size, tokenizer)
     runner_kwargs = {}

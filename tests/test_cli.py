@@ -23,3 +23,44 @@ def test_bad_deploy_options_name_the_option(args, expected, tmp_path):
     assert expected in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_sweeps_any_openai_server_until_it_saturates(tmp_path):
+    from flows.demo.openai_server import StreamingServer
+
+    out = tmp_path / "results"
+    with StreamingServer(ttft_s=0.03, itl_s=0.005, slots=4) as server:  # 4 slots: throughput stops at 4
+        result = runner.invoke(app, ["bench", "--base-url", server.base_url + "/v1", "--model", "fake",
+                                     "--vocab-size", "1000", "--input-len", "16", "--output-len", "24",
+                                     "--requests-per-level", "16", "--max-concurrency", "64",
+                                     "--results-dir", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "Sweep ended:** saturated at concurrency 8" in result.output
+    assert "Peak (knee):**" in result.output and "Single stream:**" in result.output
+    assert sorted(p.name for p in out.iterdir()) == ["chart.png", "level-c0001.json", "level-c0002.json",
+                                                     "level-c0004.json", "level-c0008.json", "results.csv",
+                                                     "summary.md"]
+    assert "queued" in result.output.split("c=8:")[1].splitlines()[0]  # the server's queue, seen in /metrics
+
+
+@pytest.mark.parametrize(
+    "args, code, expected",
+    [
+        (["--model", "other", "--vocab-size", "1000"], 1, "--model 'other' is not served at"),
+        (["--model", "fake", "--api", "chat"], 2, "chat prompts need the served model's tokenizer"),
+        (["--model", "fake", "--vocab-size", "1000", "--output-len", "1"], 2, "bad option output_len"),
+    ],
+)
+def test_bench_refuses_bad_input_in_one_line(args, code, expected, tmp_path):
+    from flows.demo.openai_server import StreamingServer
+
+    with StreamingServer() as server:
+        result = runner.invoke(app, ["bench", "--base-url", server.base_url, *args, "--results-dir", str(tmp_path)])
+    assert result.exit_code == code
+    assert expected in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_names_an_unreachable_server():
+    result = runner.invoke(app, ["bench", "--base-url", "http://127.0.0.1:9", "--model", "m", "--vocab-size", "10"])
+    assert result.exit_code == 1 and "--base-url http://127.0.0.1:9: no OpenAI model list" in result.stderr

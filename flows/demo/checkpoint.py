@@ -59,7 +59,7 @@ _CORPUS_WORDS = (
 ).split()
 
 
-def _train_tokenizer(out_dir: Path, vocab_size: int, seed: int) -> None:
+def train_tokenizer(out_dir: Path, vocab_size: int, seed: int) -> None:
     """Train a byte-level BPE locally: the Hub is out of reach, and vLLM needs a real tokenizer."""
     import random
 
@@ -91,7 +91,7 @@ def build_bf16(out_dir: Path, seed: int = 0) -> Path:
     config = DeepseekV3Config(**TINY_CONFIG, bos_token_id=0, eos_token_id=1)
     model = DeepseekV3ForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(out_dir)
-    _train_tokenizer(out_dir, TINY_CONFIG["vocab_size"], seed)
+    train_tokenizer(out_dir, TINY_CONFIG["vocab_size"], seed)
     return out_dir
 
 

@@ -56,6 +56,8 @@ class StreamingServer:
         path = scope["path"]
         if path == "/metrics":
             await self._plain(send, self._metrics().encode())
+        elif path == "/v1/models":
+            await self._plain(send, json.dumps({"object": "list", "data": [{"id": "fake", "object": "model"}]}).encode())
         elif path in ("/v1/completions", "/v1/chat/completions"):
             await self._stream(send, json.loads(body), chat=path.endswith("chat/completions"))
         else:

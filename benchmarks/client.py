@@ -1,0 +1,58 @@
+"""Our client's ingest ceiling against `vllm bench serve`'s, on the same server in the same run.
+
+A local OpenAI-compatible server in its own process streams tokens as fast as it can (no delays,
+32 events per write), so what limits each run is the client: how many streamed tokens per second
+it can take in, timestamp and account for. At 1, 64 and 256 concurrent streams, each tool runs the
+same requests (16-token prompts, the same output length, ignore_eos, one warm-up per stream), and
+both report output tokens per second from the server's usage counts.
+
+    .venv/bin/python benchmarks/client.py [OUTPUT_LEN]
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from flows.demo.checkpoint import train_tokenizer
+from flows.demo.openai_server import StreamingServer
+from tasks.bench import BenchSpec, run_level
+
+STREAMS = (1, 64, 256)
+VLLM_BENCH = "import sys, argparse; from vllm.benchmarks.serve import add_cli_args, main; " \
+             "p = argparse.ArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))"
+
+
+def ours(base_url: str, streams: int, output_len: int, continuous_usage: bool) -> float:
+    spec = BenchSpec(input_len=16, output_len=output_len, requests_per_level=streams,
+                     continuous_usage=continuous_usage)
+    return run_level(base_url, "fake", spec, streams, vocab_size=1000)["output_throughput"]
+
+
+def vllm_bench(base_url: str, streams: int, output_len: int, tokenizer: Path, out: Path) -> float:
+    args = ["--backend", "openai", "--base-url", base_url, "--model", "fake", "--tokenizer", str(tokenizer),
+            "--dataset-name", "random", "--random-input-len", "16", "--random-output-len", str(output_len),
+            "--num-prompts", str(streams), "--max-concurrency", str(streams), "--ignore-eos",
+            "--num-warmups", str(streams), "--disable-tqdm", "--save-result", "--result-dir", str(out),
+            "--result-filename", f"c{streams}.json"]
+    subprocess.run([sys.executable, "-c", VLLM_BENCH, *args], check=True, capture_output=True)
+    return json.loads((out / f"c{streams}.json").read_text())["output_throughput"]
+
+
+def main() -> None:
+    output_len = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
+    with tempfile.TemporaryDirectory() as tmp, StreamingServer(events_per_write=32) as server:
+        train_tokenizer(Path(tmp), vocab_size=1000, seed=0)
+        print(f"streams  ours tok/s  ours+usage tok/s  vllm bench tok/s  ours / vllm bench   ({output_len} tokens each)")
+        for streams in STREAMS:
+            plain = ours(server.base_url, streams, output_len, continuous_usage=False)
+            usage = ours(server.base_url, streams, output_len, continuous_usage=True)
+            peer = vllm_bench(server.base_url, streams, output_len, Path(tmp), Path(tmp))
+            print(f"{streams:7d}  {plain:10,.0f}  {usage:16,.0f}  {peer:16,.0f}  {plain / peer:17.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
