@@ -3,10 +3,11 @@
 A local OpenAI-compatible server in its own process streams tokens as fast as it can (no delays,
 32 events per write), so what limits each run is the client: how many streamed tokens per second
 it can take in, timestamp and account for. At 1, 64 and 256 concurrent streams, each tool runs the
-same requests (16-token prompts, the same output length, ignore_eos, one warm-up per stream), and
-both report output tokens per second from the server's usage counts.
+same requests (16-token prompts, TOTAL_TOKENS / streams output tokens each, at least 2000,
+ignore_eos, one warm-up per stream), and both report output tokens per second from the server's
+usage counts. "ours+usage" is our default, per-chunk usage on, which makes every event larger.
 
-    .venv/bin/python benchmarks/client.py [OUTPUT_LEN]
+    .venv/bin/python benchmarks/client.py [TOTAL_TOKENS]
 """
 
 from __future__ import annotations
@@ -43,15 +44,16 @@ def vllm_bench(base_url: str, streams: int, output_len: int, tokenizer: Path, ou
 
 
 def main() -> None:
-    output_len = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
+    total = int(sys.argv[1]) if len(sys.argv) > 1 else 500_000
     with tempfile.TemporaryDirectory() as tmp, StreamingServer(events_per_write=32) as server:
         train_tokenizer(Path(tmp), vocab_size=1000, seed=0)
-        print(f"streams  ours tok/s  ours+usage tok/s  vllm bench tok/s  ours / vllm bench   ({output_len} tokens each)")
+        print("streams  output_len  ours tok/s  ours+usage tok/s  vllm bench tok/s  ours / vllm bench")
         for streams in STREAMS:
+            output_len = max(2000, total // streams)
             plain = ours(server.base_url, streams, output_len, continuous_usage=False)
             usage = ours(server.base_url, streams, output_len, continuous_usage=True)
             peer = vllm_bench(server.base_url, streams, output_len, Path(tmp), Path(tmp))
-            print(f"{streams:7d}  {plain:10,.0f}  {usage:16,.0f}  {peer:16,.0f}  {plain / peer:17.2f}", flush=True)
+            print(f"{streams:7d}  {output_len:10d}  {plain:10,.0f}  {usage:16,.0f}  {peer:16,.0f}  {plain / peer:17.2f}", flush=True)
 
 
 if __name__ == "__main__":
