@@ -19,6 +19,8 @@ import contextvars
 import functools
 import json
 import math
+import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -355,7 +357,9 @@ async def _run_level(base_url: str, model: str, spec: BenchSpec, concurrency: in
             duration, cpu = time.perf_counter() - start, time.process_time() - cpu
             for watcher in watchers:
                 watcher.cancel()
-            await asyncio.gather(*watchers, return_exceptions=True)
+            for outcome in await asyncio.gather(*watchers, return_exceptions=True):
+                if not isinstance(outcome, (asyncio.CancelledError, type(None))):
+                    raise outcome  # a signal (Prefect's cancellation) that landed in a watcher
             await _scrape_once(http, f"{base_url}/metrics", server)
         finally:
             await client.close()
@@ -460,20 +464,51 @@ def level_json(row: dict, run: LevelRun, model: str, spec: BenchSpec) -> dict:
     }
 
 
+def _run_async(coro):
+    """Run on uvloop where available, and let SIGTERM (Prefect's cancellation) end the level.
+
+    uvloop runs Python signal handlers inside loop callbacks and swallows what they raise, so
+    Prefect's SIGTERM handler would be lost mid-level and the runner would SIGKILL the flow, host
+    lock and all. In the main thread the loop itself takes SIGTERM: it cancels the level, and once
+    the loop is gone the signal is raised again for the handler that was there before.
+    """
+    try:
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    except ImportError:
+        factory = None
+    signalled: list[int] = []
+    in_main = threading.current_thread() is threading.main_thread()
+
+    async def guarded():
+        if not in_main:
+            return await coro
+        loop, level = asyncio.get_running_loop(), asyncio.current_task()
+        loop.add_signal_handler(signal.SIGTERM, lambda: (signalled.append(signal.SIGTERM), level.cancel()))
+        try:
+            return await coro
+        finally:
+            loop.remove_signal_handler(signal.SIGTERM)
+
+    previous = signal.getsignal(signal.SIGTERM) if in_main else None
+    try:
+        with asyncio.Runner(loop_factory=factory) as runner:
+            return runner.run(guarded())
+    finally:
+        if in_main:
+            if previous is not None:  # remove_signal_handler leaves SIG_DFL behind
+                signal.signal(signal.SIGTERM, previous)
+            if signalled:
+                signal.raise_signal(signal.SIGTERM)
+
+
 def run_level(base_url: str, model: str, spec: BenchSpec, concurrency: int, vocab_size: int | None = None,
               tokenizer: str | Path | None = None, api_key: str | None = None, results_dir: Path | None = None,
               scrape_interval_s: float = 0.2) -> dict:
     """One level, at most `concurrency` in flight; its JSON goes to results_dir."""
     prompts = level_prompts(spec, concurrency, vocab_size, tokenizer)
-    runner_kwargs = {}
-    try:
-        import uvloop
-
-        runner_kwargs["loop_factory"] = uvloop.new_event_loop
-    except ImportError:
-        pass
-    with asyncio.Runner(**runner_kwargs) as runner:
-        run = runner.run(_run_level(base_url, model, spec, concurrency, prompts, api_key, scrape_interval_s))
+    run = _run_async(_run_level(base_url, model, spec, concurrency, prompts, api_key, scrape_interval_s))
     row = summarize(concurrency, run, spec)
     if results_dir is not None:
         results_dir.mkdir(parents=True, exist_ok=True)

@@ -2,6 +2,9 @@
 
 import asyncio
 import json
+import os
+import signal
+import threading
 import time
 
 import numpy as np
@@ -193,3 +196,27 @@ def test_geometric_levels_end_at_the_maximum():
     assert geometric_levels(256) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
     assert geometric_levels(100) == [1, 2, 4, 8, 16, 32, 64, 100]
     assert geometric_levels(1) == [1]
+
+
+class _Terminated(BaseException):
+    pass
+
+
+def test_sigterm_mid_level_reaches_the_handler_that_was_installed():
+    # Prefect cancels a flow with SIGTERM, which its handler turns into an exception; on uvloop
+    # that exception would vanish inside a loop callback and the flow would be SIGKILLed instead.
+    def handler(signum, frame):
+        raise _Terminated()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        spec = SPEC.model_copy(update=dict(output_len=2000, requests_per_level=2))  # ~20 s of stream
+        with StreamingServer(ttft_s=0.01, itl_s=0.01) as server:
+            threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+            started = time.monotonic()
+            with pytest.raises(_Terminated):
+                run_level(server.base_url, "fake", spec, 2, vocab_size=1000)
+        assert time.monotonic() - started < 10
+        assert signal.getsignal(signal.SIGTERM) is handler
+    finally:
+        signal.signal(signal.SIGTERM, previous)

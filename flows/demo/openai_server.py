@@ -158,7 +158,7 @@ class StreamingServer:
                 time.sleep(0.05)
 
     def __exit__(self, *exc) -> None:
-        self._child.terminate()
+        self._child.kill()  # uvicorn's graceful stop would wait for streams whose clients left
         self._child.wait(timeout=10)
 
     def serve(self) -> None:
