@@ -134,8 +134,17 @@ def deploy(
     evict: Annotated[bool, typer.Option("--evict/--dry-run", help="Delete what the disk plan lists, or only plan")] = False,
     pin: Annotated[Optional[list[str]], typer.Option(help="Model never evicted (repo id, repo@commit, folder)")] = None,
     hf_token_secret: Annotated[Optional[str], typer.Option(help="Prefect Secret block with the HF token")] = None,
+    keep_serving: Annotated[bool, typer.Option("--keep-serving/--stop-after-bench",
+                                               help="Leave the new server serving, or stop it after the benchmark")
+                            ] = True,
+    max_regression: Annotated[Optional[float], typer.Option(
+        help="Roll back when tok/s falls by more than this fraction against the last good deploy")] = 0.1,
 ) -> None:
-    """Fetch, validate, serve and benchmark a model (the deploy-model flow, run here)."""
+    """Fetch, validate, serve and benchmark a model (the deploy-model flow, run here).
+
+    A server that serves the host's last good deployment keeps serving while the new model downloads;
+    a failure after it was stopped restarts it.
+    """
     from pydantic import ValidationError
 
     from flows.deploy import DeployConfig, deploy_model
@@ -151,6 +160,7 @@ def deploy(
             bench=BenchSpec(concurrency_levels=_levels(concurrency), requests_per_level=requests_per_level,
                             input_len=input_len, output_len=output_len),
             evict=evict, pinned_models=pin or [], hf_token_secret=hf_token_secret,
+            keep_serving=keep_serving, max_regression=max_regression,
         )
     except ValidationError as exc:
         _bad_option(exc)
@@ -159,6 +169,8 @@ def deploy(
     except Exception as exc:
         _fail(exc)
     _print_table(result.results)
+    if result.base_url:
+        typer.echo(f"\nserving {config.served_model_name or repo_id} at {result.base_url}/v1")
 
 
 @app.command()
@@ -234,6 +246,42 @@ def bench(
     _print_table(rows)
     typer.echo("\n" + "\n".join(line for line in markdown.splitlines() if line.startswith("- **")))
     typer.echo(f"\nresults: {out}")
+
+
+
+@app.command()
+def history(
+    model: Annotated[Optional[str], typer.Argument(help="Repo id; default: every model")] = None,
+    threshold: Annotated[float, typer.Option(help="Fraction worse than the previous good run that is a regression")
+                         ] = 0.1,
+    wide: Annotated[bool, typer.Option(help="Also print vLLM version and GPUs")] = False,
+) -> None:
+    """Benchmarked deployments read back from Prefect's artifacts, oldest first.
+
+    Exit 1 when the newest run of a model regressed beyond the threshold.
+    """
+    import pandas as pd
+
+    from tasks.history import comparison, read_history
+
+    if not 0 <= threshold < 1:
+        typer.echo(f"error: bad option --threshold {threshold}: a fraction in [0, 1)", err=True)
+        raise typer.Exit(2)
+    if model is not None and not REPO_ID.match(model):
+        typer.echo(f"error: bad argument MODEL {model!r}: expected a repo id like org/name", err=True)
+        raise typer.Exit(2)
+    table = comparison(read_history(model), threshold)
+    if table.empty:
+        typer.echo(f"no benchmarked deployments{f' of {model}' if model else ''} in Prefect's history")
+        raise typer.Exit(0)
+    columns = ["time", "model", "revision", "single_stream_tok_s", "peak_tok_s", "knee_concurrency", "p99_ttft_ms",
+               "status", "change"] + (["vllm_version", "gpu"] if wide else [])
+    with pd.option_context("display.width", 250, "display.max_columns", None):
+        typer.echo(table[columns].round(1).to_string(index=False))
+    newest = table.groupby("model").tail(1)
+    for row in newest[newest["regression"] != ""].itertuples():
+        typer.echo(f"regression: {row.model} at {row.revision}: {row.regression}")
+    raise typer.Exit(1 if (newest["regression"] != "").any() else 0)
 
 
 if __name__ == "__main__":

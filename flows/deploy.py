@@ -12,6 +12,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
 from prefect.artifacts import create_markdown_artifact
 from prefect.blocks.system import Secret
 from prefect.task_runners import ThreadPoolTaskRunner
@@ -32,14 +33,17 @@ from tasks.hub import (
     resolve_snapshot_task,
     snapshot_dir,
 )
+from tasks.history import RegressionError, RunRecord, check_regression, publish_record, run_record
 from tasks.records import LastGood, read_last_good, write_last_good
 from tasks.report import model_slug, publish_results
 from tasks.server import (
     ServerConfig,
+    ServerHandle,
     VllmSettings,
     publish_facts,
     reap_stale,
     served_model,
+    serving_group,
     start_and_wait,
     stop_server,
     warm_option_table,
@@ -71,6 +75,12 @@ class DeployConfig(BaseModel):
     api_key_secret: str | None = Field(None, description="Prefect Secret block holding the server's API key")
     startup_timeout_s: float = Field(1800, gt=0, description="Load deadline; a 1T model takes 5-15 minutes")
     bench: BenchSpec = Field(default_factory=BenchSpec, description="Benchmark load and sweep")
+    keep_serving: bool = Field(True, description="Leave the new server serving after its benchmark (the "
+                               "deployment); off stops it, and a server it replaced stays stopped")
+    max_regression: float | None = Field(0.1, ge=0, lt=1,
+                                         description="Fail and roll back when single-stream or peak tok/s falls "
+                                         "(or p99 TTFT grows) by more than this fraction against the last good "
+                                         "deployment of the same model on this host; empty: no check")
 
     @property
     def cache_dir(self) -> Path:
@@ -94,6 +104,7 @@ class DeployResult(BaseModel):
     prepared: PreparedModel
     platform: str
     results: list[dict]
+    base_url: str | None = None  # where the new deployment serves; None when keep_serving was off
 
 
 def _validation_markdown(report: ValidationReport, title: str) -> str:
@@ -180,23 +191,69 @@ def _vocab_size(model_dir: Path) -> int:
 
 
 def _reap_server(flow, flow_run, state) -> None:
-    """Cancellation and crash hooks: the vLLM group outlives the flow unless someone stops it."""
+    """Cancellation and crash hooks: the vLLM group outlives the flow unless someone stops it.
+
+    The host's current deployment is not the flow's to stop: a run cancelled while it was still
+    fetching leaves the old server serving.
+    """
     config = DeployConfig.model_validate(flow_run.parameters["config"])
-    reap_stale(config.run_dir / "server.json")
+    last_good = read_last_good(config.run_dir)
+    reap_stale(config.run_dir / "server.json", keep_pgid=last_good.serving_pgid if last_good else None)
 
 
 @flow(name="deploy-model", on_cancellation=[_reap_server], on_crashed=[_reap_server])
 def deploy_model(config: DeployConfig) -> DeployResult:
+    """Fetch and check the model while the current one still serves, then swap servers; a failure
+    after the swap brings the last good deployment back."""
     # The host lock comes first: reaping a "stale" server is only safe when no other deploy runs.
     with host_lock():
         return _deploy(config)
 
 
+def _first_line(err: BaseException) -> str:
+    text = str(err).splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"
+
+
+def _serving(handle: ServerHandle, config: ServerConfig) -> ServerConfig:
+    """The launch as it really ran: port 0 became a real port, which a restore must take again."""
+    return config.model_copy(update={"port": int(handle.base_url.rsplit(":", 1)[1])})
+
+
+def _restore(previous: LastGood, run_dir: Path, startup_timeout_s: float, reason: BaseException, slug: str) -> None:
+    """Start the last good deployment again and say why in an artifact; the new deploy's error stands."""
+    logger = get_run_logger()
+    what = f"{previous.repo_id}@{previous.commit[:12]}"
+    title = f"# Rolled back to {what}\n\n**Why:** the new deployment failed after the old server was stopped: " \
+            f"`{_first_line(reason)}`\n\n"
+    logger.warning("new deployment failed (%s); restarting the last good one, %s", _first_line(reason), what)
+    api_key = Secret.load(previous.api_key_secret).get() if previous.api_key_secret else None
+    try:
+        handle = start_and_wait(previous.server, run_dir, startup_timeout_s, f"server-failure-{slug}-rollback",
+                                api_key)
+    except Exception as err:
+        create_markdown_artifact(key=f"rollback-{slug}", markdown=title + (
+            f"**Rollback failed:** `{_first_line(err)}`. Nothing serves on this host now."),
+            description=f"rollback to {what} failed")
+        logger.error("rollback to %s failed: %s", what, _first_line(err))
+        return
+    write_last_good(run_dir, previous.model_copy(update={"serving_pgid": handle.pgid}))
+    create_markdown_artifact(key=f"rollback-{slug}", markdown=title + (
+        f"**Serving again:** `{previous.server.served_model_name}` ({what}) at {handle.base_url}, "
+        f"ready in {handle.startup_s:.0f} s.\n\n```\n{' '.join(handle.command)}\n```\n"),
+        description=f"rolled back to {what}")
+    logger.warning("rolled back: %s serves again at %s", what, handle.base_url)
+
+
 def _deploy(config: DeployConfig) -> DeployResult:
     logger = get_run_logger()
-    reaped = reap_stale(config.run_dir / "server.json")
-    if reaped:
-        logger.warning("stopped vLLM process group %d left by an earlier run", reaped)
+    state_file = config.run_dir / "server.json"
+    last_good = read_last_good(config.run_dir)
+    current = serving_group(state_file)
+    if current is not None and (last_good is None or last_good.serving_pgid != current or last_good.server is None):
+        logger.warning("stopped vLLM process group %d left by an earlier run", reap_stale(state_file))
+        current = None
+    previous = last_good if current is not None else None  # serving now: keeps serving while we fetch
     warming = warm_option_table(config.run_dir)  # so a bad flag is refused in ms once the model is in place
     try:
         prepared = prepare_model.with_options(
@@ -231,6 +288,29 @@ def _deploy(config: DeployConfig) -> DeployResult:
             warming.kill()
             warming.wait()
     api_key = Secret.load(config.api_key_secret).get() if config.api_key_secret else None
+    if previous is not None:  # the GPUs hold one model at a time: from here a failure restores this one
+        reap_stale(state_file)
+        logger.info("stopped the serving %s@%s to start the new deployment", previous.repo_id, previous.commit[:12])
+    try:
+        handle, record, rows = _serve_and_bench(config, prepared, gpu, server_cfg, api_key, slug,
+                                                previous or last_good)
+    except Exception as err:
+        if previous is not None:
+            _restore(previous, config.run_dir, config.startup_timeout_s, err, slug)
+        raise
+    write_last_good(config.run_dir, LastGood(
+        repo_id=prepared.repo_id, commit=prepared.commit, model_dir=prepared.model_dir, revision=config.revision,
+        server=_serving(handle, server_cfg), api_key_secret=config.api_key_secret,
+        serving_pgid=handle.pgid if config.keep_serving else None, record=record))
+    return DeployResult(prepared=prepared, platform=gpu.platform, results=rows,
+                        base_url=handle.base_url if config.keep_serving else None)
+
+
+def _serve_and_bench(config: DeployConfig, prepared: PreparedModel, gpu, server_cfg: ServerConfig,
+                     api_key: str | None, slug: str, last_good: LastGood | None
+                     ) -> tuple[ServerHandle, RunRecord, list[dict]]:
+    """Start, smoke-test (wait_ready generates a token), sweep, record; a regression raises."""
+    logger = get_run_logger()
     handle = start_and_wait(server_cfg, config.run_dir, config.startup_timeout_s, f"server-failure-{slug}", api_key)
     try:
         logger.info("vLLM ready at %s after %.0f s", handle.base_url, handle.startup_s)
@@ -243,21 +323,34 @@ def _deploy(config: DeployConfig) -> DeployResult:
                                                  prepared.model_dir, api_key, results_dir), stops.append)
         for reason in stops:
             logger.info("%s; the sweep stops", reason)
-    finally:
+        platform = gpu.platform + (f" ({len(gpu.gpus)}x {gpu.gpus[0].name})" if gpu.gpus else "")
+        parallelism = (f"TP={config.vllm.tensor_parallel_size}, "
+                       f"EP={'on' if config.vllm.enable_expert_parallel else 'off'}")
+        facts = {
+            "Revision": f"{config.revision} ({prepared.commit[:12]})",
+            "Platform": platform,
+            "Parallelism": parallelism,
+            "Load": (f"{spec.api}, input {spec.input_len}, output {spec.output_len} tokens, "
+                     + (f"{spec.request_rate} req/s (burstiness {spec.burstiness})" if spec.request_rate
+                        else "all requests at once") + f", {spec.requests_per_level} per level"),
+            **({"SLO": ", ".join(f"{k} <= {v:g} ms" for k, v in spec.slos_ms.items())
+                + f" for {spec.slo_attainment:.0%} of requests"} if spec.slos_ms else {}),
+            "vLLM": f"{server['vllm_version']}, ready in {server['startup_s']} s, KV cache "
+                    f"{server.get('kv_cache_tokens', '?')} tokens",
+        }
+        publish_results(rows, config.repo_id, facts, results_dir, stops[0] if stops else None)
+        run = flow_run.get_id()
+        record = check_regression(
+            last_good.record if last_good and last_good.repo_id == config.repo_id else None,
+            run_record(rows, config.repo_id, config.revision, prepared.commit, platform, server["vllm_version"],
+                       parallelism, str(run) if run else None),
+            config.max_regression)
+        publish_record(record)
+        if record.status == "regressed":
+            raise RegressionError(f"{config.repo_id}@{prepared.commit[:12]} {record.note}")
+    except BaseException:
         stop_server(handle)
-    facts = {
-        "Revision": f"{config.revision} ({prepared.commit[:12]})",
-        "Platform": gpu.platform + (f" ({len(gpu.gpus)}x {gpu.gpus[0].name})" if gpu.gpus else ""),
-        "Parallelism": f"TP={config.vllm.tensor_parallel_size}, EP={'on' if config.vllm.enable_expert_parallel else 'off'}",
-        "Load": (f"{spec.api}, input {spec.input_len}, output {spec.output_len} tokens, "
-                 + (f"{spec.request_rate} req/s (burstiness {spec.burstiness})" if spec.request_rate
-                    else "all requests at once") + f", {spec.requests_per_level} per level"),
-        **({"SLO": ", ".join(f"{k} <= {v:g} ms" for k, v in spec.slos_ms.items())
-            + f" for {spec.slo_attainment:.0%} of requests"} if spec.slos_ms else {}),
-        "vLLM": f"{server['vllm_version']}, ready in {server['startup_s']} s, KV cache "
-                f"{server.get('kv_cache_tokens', '?')} tokens",
-    }
-    publish_results(rows, config.repo_id, facts, results_dir, stops[0] if stops else None)
-    write_last_good(config.run_dir, LastGood(repo_id=prepared.repo_id, commit=prepared.commit,
-                                             model_dir=prepared.model_dir))
-    return DeployResult(prepared=prepared, platform=gpu.platform, results=rows)
+        raise
+    if not config.keep_serving:
+        stop_server(handle)
+    return handle, record, rows

@@ -13,11 +13,12 @@ from flows.deploy import DeployConfig, deploy_model
 from tasks.hub import hub_token, resolve_snapshot_task
 from tasks.records import read_last_good
 from tasks.report import model_slug
+from tasks.server import serving_group
 
 
 @flow(name="nightly-refresh")
 def nightly_refresh(config: DeployConfig) -> str:
-    """Returns "no-change" or "deployed"."""
+    """Returns "no-change" or "deployed"; a failed deploy (a regression included) fails the run."""
     logger = get_run_logger()
     with hub_token(config.hf_token_secret):
         snapshot = resolve_snapshot_task(config.repo_id, config.revision, config.hub_endpoint)
@@ -33,7 +34,18 @@ def nightly_refresh(config: DeployConfig) -> str:
     was = f"`{last.repo_id}@{last.commit}`" if last else "nothing recorded"
     logger.info("%s@%s is now %s (last good: %s): deploying", config.repo_id, config.revision,
                 snapshot.commit[:12], was)
-    deploy_model(config.model_copy(update={"revision": snapshot.commit}))
+    try:
+        deploy_model(config.model_copy(update={"revision": snapshot.commit}))
+    except Exception as err:
+        now = read_last_good(config.run_dir)
+        serving = now is not None and now.serving_pgid is not None and \
+            serving_group(config.run_dir / "server.json") == now.serving_pgid
+        create_markdown_artifact(key=key, markdown=title + (
+            f"**Failed:** commit `{snapshot.commit}` did not deploy: `{type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}`.\n\n"
+            + (f"**Serving:** the last good deployment, `{now.repo_id}@{now.commit}`." if serving
+               else "**Serving:** nothing on this host.")))
+        raise
     create_markdown_artifact(key=key, markdown=title + (
         f"**Deployed:** commit `{snapshot.commit}` (last good before: {was})."))
     return "deployed"

@@ -1,4 +1,5 @@
-"""The host's record of its last known good deployment: the fallback the disk plan keeps."""
+"""The host's record of its last known good deployment: the fallback the disk plan keeps, the server
+a failed deploy restores, and the benchmark the next deploy of the same model must not fall behind."""
 
 from __future__ import annotations
 
@@ -6,11 +7,19 @@ from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
+from tasks.history import RunRecord
+from tasks.server import ServerConfig
+
 
 class LastGood(BaseModel):
     repo_id: str
     commit: str
     model_dir: Path
+    revision: str | None = None
+    server: ServerConfig | None = None  # with the port it really listened on, so a restore takes the same address
+    api_key_secret: str | None = None  # the Secret block's name; the key itself is never written here
+    serving_pgid: int | None = None  # the vLLM group serving it now; None after a benchmark-only run
+    record: RunRecord | None = None
 
 
 def last_good_file(run_dir: Path) -> Path:

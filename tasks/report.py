@@ -27,7 +27,7 @@ def bench_table(rows: list[dict]) -> pd.DataFrame:
     return pd.DataFrame(rows).sort_values("concurrency").reset_index(drop=True)
 
 
-def _plain(value):
+def json_value(value):
     """Artifacts are JSON: numpy scalars and NaN are not."""
     if hasattr(value, "item"):
         value = value.item()
@@ -103,7 +103,7 @@ def publish_results(rows: list[dict], repo_id: str, facts: dict[str, str], resul
     slug = model_slug(repo_id)
     create_table_artifact(
         key=f"bench-{slug}",
-        table=[{k: _plain(v) for k, v in row.items()} for row in df.to_dict(orient="records")],
+        table=[{k: json_value(v) for k, v in row.items()} for row in df.to_dict(orient="records")],
         description=f"Concurrency sweep of {repo_id}",
     )
     create_markdown_artifact(key=f"bench-summary-{slug}", markdown=markdown,

@@ -318,34 +318,44 @@ def stop_server(handle: ServerHandle, grace_s: float = 20.0) -> None:
     handle.state_file.unlink(missing_ok=True)
 
 
-def reap_stale(state_file: Path, grace_s: float = 20.0) -> int | None:
-    """Stop a server recorded by an earlier run that did not stop it; returns its pgid if one was found."""
+def _live_state(state_file: Path) -> dict | None:
+    """The state file's record while its process group still runs vLLM; None otherwise."""
     try:
         state = json.loads(state_file.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        pgid = int(state["pgid"])
+    except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError, ValueError):
         return None
-    pgid = int(state["pgid"])
-    live = group_members(pgid)
     # Only a group that still runs vLLM: a recycled pgid must not take an unrelated process down.
     # Orphaned children carry vLLM's process titles (VLLM::EngineCore, VLLM::Worker_TP0), not our command.
-    if live and any(b"vllm" in _cmdline(pid).lower() for pid in live):
-        stop_group(pgid, grace_s)
+    live = group_members(pgid)
+    return state if live and any(b"vllm" in _cmdline(pid).lower() for pid in live) else None
+
+
+def reap_stale(state_file: Path, grace_s: float = 20.0, keep_pgid: int | None = None) -> int | None:
+    """Stop a server recorded by an earlier run that did not stop it; returns its pgid if one was found.
+
+    `keep_pgid` is the group serving the host's current deployment: that one is not stale.
+    """
+    state = _live_state(state_file)
+    if state is not None and int(state["pgid"]) == keep_pgid:
+        return None
+    if state is not None:
+        stop_group(int(state["pgid"]), grace_s)
     state_file.unlink(missing_ok=True)
-    return pgid if live else None
+    return int(state["pgid"]) if state else None
+
+
+def serving_group(state_file: Path) -> int | None:
+    """The pgid of the vLLM recorded in the state file, while it still runs."""
+    state = _live_state(state_file)
+    return int(state["pgid"]) if state else None
 
 
 def served_model(state_file: Path) -> Path | None:
     """The --model of the vLLM recorded in the state file, while its process group still runs."""
-    try:
-        state = json.loads(state_file.read_text())
-        command = state["command"]
-        pgid = int(state["pgid"])
-    except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError, ValueError):
-        return None
-    live = group_members(pgid)
-    if not live or not any(b"vllm" in _cmdline(pid).lower() for pid in live) or "--model" not in command:
-        return None
-    return Path(command[command.index("--model") + 1])
+    state = _live_state(state_file)
+    command = state.get("command", []) if state else []
+    return Path(command[command.index("--model") + 1]) if "--model" in command else None
 
 
 def _cmdline(pid: int) -> bytes:

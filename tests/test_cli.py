@@ -15,6 +15,7 @@ runner = CliRunner()
         (["--concurrency", "1,x"], "bad option --concurrency '1,x'"),
         (["--concurrency", "0,4"], "bad option concurrency_levels"),
         (["--output-len", "1"], "bad option output_len"),
+        (["--max-regression", "2"], "bad option max_regression"),
     ],
 )
 def test_bad_deploy_options_name_the_option(args, expected, tmp_path):

@@ -20,6 +20,8 @@ from tasks.server import (
     classify_failure,
     group_members,
     reap_stale,
+    served_model,
+    serving_group,
     server_facts,
     start_server,
     stop_group,
@@ -105,6 +107,20 @@ def test_reaper_stops_a_vllm_group_left_by_a_crashed_run(tmp_path):
     assert reap_stale(state, grace_s=0.5) == proc.pid
     proc.wait(timeout=5)
     assert group_members(proc.pid) == [] and not state.exists()
+
+
+def test_reaper_leaves_the_serving_deployment_alone(tmp_path):
+    proc = _spawn_group(STUBBORN, "vllm.entrypoints.openai.api_server")
+    state = tmp_path / "server.json"
+    state.write_text(json.dumps({"pid": proc.pid, "pgid": proc.pid, "command": ["x", "--model", "/m"]}))
+    try:
+        assert reap_stale(state, keep_pgid=proc.pid) is None
+        assert len(group_members(proc.pid)) == 2 and serving_group(state) == proc.pid
+        assert served_model(state) == Path("/m")
+    finally:
+        assert reap_stale(state, grace_s=0.5) == proc.pid
+        proc.wait(timeout=5)
+    assert serving_group(state) is None and served_model(state) is None
 
 
 def test_reaper_never_kills_a_group_that_is_not_vllm(tmp_path):

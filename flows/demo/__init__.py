@@ -47,6 +47,7 @@ def demo_config(endpoint: str, models_root: Path, **overrides):
         port=0,
         startup_timeout_s=600,
         bench=BenchSpec(**bench),
+        keep_serving=False,  # the demo ends with nothing running
     )
     return DeployConfig(**{**settings, **overrides})
 

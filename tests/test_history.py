@@ -1,0 +1,84 @@
+"""History: records of real benchmark runs kept as Prefect artifacts, read back, compared."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from conftest import artifact
+from prefect import flow
+from typer.testing import CliRunner
+
+from flows.cli import app
+from flows.compare import CompareConfig, RegressionFound, compare_runs
+from flows.demo.openai_server import StreamingServer
+from tasks.bench import BenchSpec, run_level
+from tasks.history import RunRecord, check_regression, publish_record, read_history, run_record
+
+pytestmark = pytest.mark.usefixtures("prefect_server")
+SPEC = BenchSpec(concurrency_levels=[1, 4], requests_per_level=4, input_len=16, output_len=16)
+
+
+@flow(name="benchmarked-run")
+def _benchmarked_run(model: str, commit: str, ttft_s: float, itl_s: float) -> RunRecord:
+    """A deploy's tail end: a real sweep against a server of known speed, then its history record."""
+    with StreamingServer(ttft_s=ttft_s, itl_s=itl_s) as server:
+        rows = [run_level(server.base_url, "fake", SPEC, c, vocab_size=1000) for c in SPEC.concurrency_levels]
+    return publish_record(run_record(rows, model, "main", commit, "cpu (test)", "0.32.0", "TP=1, EP=off"))
+
+
+def _record(**numbers) -> RunRecord:
+    base = dict(model="org/m", revision="main", commit="a" * 40, time=datetime.now(timezone.utc), host="h", gpu="g",
+                vllm_version="v", parallelism="TP=8", single_stream_tok_s=82.0, peak_tok_s=2276.0,
+                knee_concurrency=64, p99_ttft_ms=900.0)
+    return RunRecord(**{**base, **numbers})
+
+
+def test_a_drop_beyond_the_threshold_marks_the_record_regressed():
+    before = _record(time=datetime.now(timezone.utc) - timedelta(days=1))
+    assert check_regression(before, _record(peak_tok_s=2100.0), 0.1).status == "passed"  # -8%
+    slower = check_regression(before, _record(single_stream_tok_s=61.0, p99_ttft_ms=1200.0), 0.1)
+    assert slower.status == "regressed"
+    assert "single-stream tok/s 61.0 vs 82.0 (-26%)" in slower.note and "p99 TTFT 1200.0 ms" in slower.note
+    # Other GPUs or another model are not a baseline.
+    assert check_regression(before, _record(gpu="other", peak_tok_s=1.0), 0.1).status == "passed"
+    assert check_regression(before, _record(model="org/other", peak_tok_s=1.0), 0.1).status == "passed"
+
+
+def test_history_reads_runs_of_two_models_back_and_finds_the_planted_regression():
+    tag = uuid.uuid4().hex[:8]
+    fast, slow = f"hist-{tag}/int4", f"hist-{tag}/nvfp4"
+    for i in range(3):
+        _benchmarked_run(fast, f"{i:040d}", ttft_s=0.01, itl_s=0.002)
+    _benchmarked_run(slow, "1" * 40, ttft_s=0.01, itl_s=0.002)
+    _benchmarked_run(slow, "2" * 40, ttft_s=0.04, itl_s=0.008)  # planted: 4x slower tokens
+
+    kept = read_history(fast)
+    assert [r.commit for r in kept] == [f"{i:040d}" for i in range(3)]
+    assert all(r.single_stream_tok_s > 100 and r.knee_concurrency in (1, 4) for r in kept)
+
+    result = CliRunner().invoke(app, ["history", "--threshold", "0.5"])
+    lines = result.stdout.splitlines()
+    assert result.exit_code == 1, result.output  # the newest run of one model regressed
+    assert "single_stream_tok_s" in lines[0] and "peak_tok_s" in lines[0] and "p99_ttft_ms" in lines[0]
+    ours = [line for line in lines if f"hist-{tag}/" in line and not line.startswith("regression")]
+    assert [line.split()[2] for line in ours] == [fast] * 3 + [slow] * 2
+    assert f"regression: {slow} at main (2222222): single-stream tok/s" in result.stdout
+
+    one = CliRunner().invoke(app, ["history", fast, "--threshold", "0.5", "--wide"])
+    assert one.exit_code == 0, one.output
+    assert len(one.stdout.splitlines()) == 1 + 3 and "0.32.0" in one.stdout and slow not in one.stdout
+
+    with pytest.raises(RegressionFound, match=f"{slow}: single-stream tok/s"):
+        compare_runs(CompareConfig(models=[fast, slow], threshold=0.5, fail_on_regression=True))
+    table = artifact("run-comparison")
+    assert table.type == "table" and table.description == "5 runs of 2 model(s)"
+    assert f"**Regressed:** {slow} at main (2222222)" in artifact("run-comparison-summary").data
+
+
+def test_history_of_an_unknown_model_says_so_and_a_bad_threshold_is_refused():
+    empty = CliRunner().invoke(app, ["history", f"nobody-{uuid.uuid4().hex[:6]}/none"])
+    assert empty.exit_code == 0 and "no benchmarked deployments of nobody-" in empty.stdout
+    bad = CliRunner().invoke(app, ["history", "--threshold", "1.5"])
+    assert bad.exit_code == 2 and "bad option --threshold 1.5" in bad.stderr

@@ -1,0 +1,58 @@
+"""A deploy that fails after the old server stopped brings the old one back (real vLLM CPU servers)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from conftest import artifact, vllm_processes
+
+from flows.demo import BF16_REPO, demo_config
+from flows.deploy import deploy_model
+from flows.nightly import nightly_refresh
+from tasks.history import RegressionError, read_history
+from tasks.records import read_last_good, write_last_good
+from tasks.server import reap_stale, serving_group
+
+pytestmark = pytest.mark.usefixtures("prefect_server")
+QUICK = dict(concurrency_levels=[1, 2], requests_per_level=4, keep_serving=True)
+
+
+def _served(base_url: str) -> list[str]:
+    return [m["id"] for m in httpx.get(f"{base_url}/v1/models", timeout=10).json()["data"]]
+
+
+def test_nightly_regression_rolls_back_to_the_serving_deployment(local_hub, tmp_path):
+    config = demo_config(local_hub.endpoint, tmp_path / "models", **QUICK)
+    state = config.run_dir / "server.json"
+    try:
+        first = deploy_model(config)
+        good = read_last_good(config.run_dir)
+        assert first.base_url and _served(first.base_url) == [BF16_REPO]  # it keeps serving after the flow
+        assert good.serving_pgid == serving_group(state) and good.record.peak_tok_s > 0
+
+        # Planted: the good deployment was from an older commit and benchmarked 1000x faster, so the
+        # nightly sees a new commit, stops the old server, deploys, and measures a regression.
+        planted = good.record.model_copy(update={"commit": "0" * 40, "peak_tok_s": good.record.peak_tok_s * 1000,
+                                                 "single_stream_tok_s": good.record.single_stream_tok_s * 1000})
+        write_last_good(config.run_dir, good.model_copy(update={"commit": "0" * 40, "record": planted}))
+        with pytest.raises(RegressionError, match="regressed beyond 10% against 000000000000"):
+            nightly_refresh(config)
+
+        back = read_last_good(config.run_dir)
+        assert back.commit == "0" * 40 and back.serving_pgid == serving_group(state) != good.serving_pgid
+        assert _served(first.base_url) == [BF16_REPO]  # the same address serves the previous model again
+        completion = httpx.post(f"{first.base_url}/v1/completions", timeout=60,
+                                json={"model": BF16_REPO, "prompt": "hi", "max_tokens": 2}).json()
+        assert completion["usage"]["completion_tokens"] == 2
+        rollback = artifact("rollback-demo-tiny-moe").data
+        assert f"# Rolled back to {BF16_REPO}@000000000000" in rollback
+        assert "RegressionError" in rollback and f"**Serving again:** `{BF16_REPO}`" in rollback
+        assert first.base_url in rollback
+        nightly = artifact("nightly-demo-tiny-moe").data
+        assert "**Failed:**" in nightly and "regressed beyond 10%" in nightly
+        assert f"**Serving:** the last good deployment, `{BF16_REPO}@{'0' * 40}`" in nightly
+        runs = [r for r in read_history(BF16_REPO) if r.commit == first.prepared.commit]
+        assert [r.status for r in runs[-2:]] == ["passed", "regressed"]
+    finally:
+        reap_stale(state)
+    assert vllm_processes() == []
