@@ -71,6 +71,7 @@ class DeployConfig(BaseModel):
     served_model_name: str | None = Field(None, description="Name clients use; defaults to repo_id")
     vllm: VllmSettings = Field(default_factory=lambda: VllmSettings(enable_expert_parallel=True),
                                description="vLLM engine settings")
+    host: str = Field("127.0.0.1", description="Address vLLM listens on; 0.0.0.0 serves other machines")
     port: int = Field(8000, ge=0, le=65535, description="Server port; 0 picks a free one")
     api_key_secret: str | None = Field(None, description="Prefect Secret block holding the server's API key")
     startup_timeout_s: float = Field(1800, gt=0, description="Load deadline; a 1T model takes 5-15 minutes")
@@ -279,6 +280,7 @@ def _deploy(config: DeployConfig) -> DeployResult:
             env={**env, **config.vllm.env},
             model_path=prepared.model_dir,
             served_model_name=config.served_model_name or config.repo_id,
+            host=config.host,
             port=config.port,
         )
         if warming is not None:

@@ -58,6 +58,16 @@ class VllmSettings(BaseModel):
     data_parallel_size: int = Field(1, ge=1, description="--data-parallel-size")
     enable_expert_parallel: bool = Field(False, description="--enable-expert-parallel for MoE models")
     all2all_backend: str | None = Field(None, description="--all2all-backend (was VLLM_ALL2ALL_BACKEND)")
+    # Across hosts: vLLM launches its own ranks on each node; these flags tell each node its place.
+    distributed_executor_backend: str | None = Field(None, description="--distributed-executor-backend: mp, or "
+                                                     "ray for a Ray cluster spanning the nodes")
+    nnodes: int = Field(1, ge=1, description="--nnodes one tensor/pipeline-parallel group spans (mp backend)")
+    node_rank: int = Field(0, ge=0, description="--node-rank of this host among --nnodes")
+    master_addr: str | None = Field(None, description="--master-addr: the rank-0 node, with --nnodes > 1")
+    data_parallel_size_local: int | None = Field(None, ge=1, description="--data-parallel-size-local on this node")
+    data_parallel_start_rank: int | None = Field(None, ge=0, description="--data-parallel-start-rank of this node")
+    data_parallel_address: str | None = Field(None, description="--data-parallel-address: the head node")
+    data_parallel_rpc_port: int | None = Field(None, ge=1, le=65535, description="--data-parallel-rpc-port")
     max_model_len: int | None = Field(None, ge=16, description="--max-model-len; empty keeps the model's")
     max_num_seqs: int | None = Field(None, ge=1, description="--max-num-seqs")
     max_num_batched_tokens: int | None = Field(None, ge=1, description="--max-num-batched-tokens")
@@ -106,8 +116,16 @@ def build_command(cfg: ServerConfig, port: int) -> list[str]:
         cmd += ["--data-parallel-size", str(cfg.data_parallel_size)]
     if cfg.enable_expert_parallel:
         cmd.append("--enable-expert-parallel")
+    if cfg.nnodes > 1:
+        cmd += ["--nnodes", str(cfg.nnodes), "--node-rank", str(cfg.node_rank)]
     optional = {
         "--all2all-backend": cfg.all2all_backend,
+        "--distributed-executor-backend": cfg.distributed_executor_backend,
+        "--master-addr": cfg.master_addr,
+        "--data-parallel-size-local": cfg.data_parallel_size_local,
+        "--data-parallel-start-rank": cfg.data_parallel_start_rank,
+        "--data-parallel-address": cfg.data_parallel_address,
+        "--data-parallel-rpc-port": cfg.data_parallel_rpc_port,
         "--max-model-len": cfg.max_model_len,
         "--max-num-seqs": cfg.max_num_seqs,
         "--max-num-batched-tokens": cfg.max_num_batched_tokens,

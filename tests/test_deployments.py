@@ -38,6 +38,9 @@ def test_prefect_yaml_registers_the_nightly_and_redeploy_deployments():
     with get_client(sync_client=True) as client:
         nightly = client.read_deployment_by_name("nightly-refresh/nightly-refresh")
         redeploy = client.read_deployment_by_name("deploy-model/redeploy")
+        compare = client.read_deployment_by_name("compare-runs/compare")
+    assert compare.parameters == {"config": {"models": [], "threshold": 0.1}}
+    assert "fail_on_regression" in compare.parameter_openapi_schema["definitions"]["CompareConfig"]["properties"]
     assert [(s.schedule.cron, s.schedule.timezone) for s in nightly.schedules] == [("0 2 * * *", "Europe/Berlin")]
     assert redeploy.schedules == []
     for deployment, strategy in ((nightly, "ENQUEUE"), (redeploy, "CANCEL_NEW")):

@@ -65,11 +65,16 @@ def test_defaults_leave_vllm_its_own_defaults():
 def test_every_typed_field_reaches_the_command_line():
     cfg = ServerConfig(model_path=Path("/m"), served_model_name="m", data_parallel_size=2, pipeline_parallel_size=2,
                        all2all_backend="deepep_low_latency", max_num_seqs=256, max_num_batched_tokens=16384,
-                       kv_cache_dtype="fp8", gpu_memory_utilization=0.92, trust_remote_code=True)
+                       kv_cache_dtype="fp8", gpu_memory_utilization=0.92, trust_remote_code=True,
+                       distributed_executor_backend="mp", nnodes=2, node_rank=1, master_addr="10.0.0.1",
+                       data_parallel_size_local=1, data_parallel_start_rank=1, data_parallel_address="10.0.0.1",
+                       data_parallel_rpc_port=13345)
     joined = " ".join(build_command(cfg, 8000))
     for part in ("--data-parallel-size 2", "--pipeline-parallel-size 2", "--all2all-backend deepep_low_latency",
                  "--max-num-seqs 256", "--max-num-batched-tokens 16384", "--kv-cache-dtype fp8",
-                 "--gpu-memory-utilization 0.92", "--trust-remote-code"):
+                 "--gpu-memory-utilization 0.92", "--trust-remote-code", "--distributed-executor-backend mp",
+                 "--nnodes 2 --node-rank 1", "--master-addr 10.0.0.1", "--data-parallel-size-local 1",
+                 "--data-parallel-start-rank 1", "--data-parallel-address 10.0.0.1", "--data-parallel-rpc-port 13345"):
         assert part in joined
 
 
@@ -170,7 +175,9 @@ def test_installed_vllm_parser_accepts_the_commands_we_build(tmp_path):
                        enable_expert_parallel=True, all2all_backend="allgather_reducescatter", max_model_len=4096,
                        max_num_seqs=128, max_num_batched_tokens=8192, kv_cache_dtype="fp8",
                        gpu_memory_utilization=0.92, data_parallel_size=2, trust_remote_code=True,
-                       extra_args=["--enable_prefix_caching", "--seed", "7", "--compilation-config.mode", "0"])
+                       data_parallel_size_local=1, data_parallel_address="10.0.0.1", data_parallel_rpc_port=13345,
+                       data_parallel_start_rank=1, nnodes=2, node_rank=1, master_addr="10.0.0.1",
+                       distributed_executor_backend="mp", extra_args=["--enable_prefix_caching", "--seed", "7", "--compilation-config.mode", "0"])
     check_arguments(build_command(cfg, 8000), tmp_path)  # the child parses and writes the table
     check_arguments(build_command(cfg, 8000), tmp_path)  # the table agrees
 
