@@ -48,7 +48,13 @@ def _exit_on_sigterm() -> None:
 
 
 def _fail(exc: BaseException) -> None:
-    typer.echo(f"error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", err=True)
+    """One line and the error's exit code (2: unusable input such as an unreachable hub; else 1)."""
+    from tasks.errors import RolloutError, first_line
+
+    if isinstance(exc, RolloutError):
+        typer.echo(f"error: {str(exc).splitlines()[0]}", err=True)
+        raise typer.Exit(exc.exit_code)
+    typer.echo(f"error: {first_line(exc)}", err=True)
     raise typer.Exit(1)
 
 
@@ -91,8 +97,8 @@ def validate(
 
     Exit 0 on pass, 1 on violations, 2 on unusable input.
     """
+    from tasks.errors import UnusableInput
     from tasks.headers import CheckpointError
-    from tasks.hub import HubError
     from tasks.validate import validate_checkpoint, validate_remote
 
     local = Path(target)
@@ -101,7 +107,7 @@ def validate(
             report = validate_checkpoint(local)
         else:
             report = validate_remote(target, revision, endpoint)
-    except (CheckpointError, HubError) as exc:
+    except (CheckpointError, UnusableInput) as exc:
         if as_json:
             typer.echo(json.dumps({"verdict": "error", "error": str(exc), "violations": []}))
         typer.echo(f"error: {exc}", err=True)
@@ -121,6 +127,7 @@ def validate(
 def deploy(
     repo_id: Annotated[str, typer.Argument(help="Hub repo, e.g. moonshotai/Kimi-K2.5")],
     revision: str = "main",
+    endpoint: Annotated[Optional[str], typer.Option(help="Hub URL; default HF_ENDPOINT or huggingface.co")] = None,
     models_root: Path = Path("/models"),
     tp: Annotated[int, typer.Option("--tp", help="Tensor parallel size")] = 1,
     expert_parallel: Annotated[bool, typer.Option("--ep/--no-ep", help="Expert parallelism")] = True,
@@ -149,12 +156,14 @@ def deploy(
 
     from flows.deploy import DeployConfig, deploy_model
     from tasks.bench import BenchSpec
+    from tasks.errors import UnusableInput
+    from tasks.hub import resolve_snapshot
     from tasks.server import VllmSettings
 
     _exit_on_sigterm()
     try:
         config = DeployConfig(
-            repo_id=repo_id, revision=revision, models_root=models_root, port=port,
+            repo_id=repo_id, revision=revision, hub_endpoint=endpoint, models_root=models_root, port=port,
             vllm=VllmSettings(tensor_parallel_size=tp, enable_expert_parallel=expert_parallel,
                               max_model_len=max_model_len, extra_args=vllm_arg or []),
             bench=BenchSpec(concurrency_levels=_levels(concurrency), requests_per_level=requests_per_level,
@@ -164,6 +173,10 @@ def deploy(
         )
     except ValidationError as exc:
         _bad_option(exc)
+    try:  # one hub call before Prefect starts: a typo in the repo or the endpoint fails in a second
+        resolve_snapshot(repo_id, revision, endpoint)
+    except UnusableInput as exc:
+        _fail(exc)
     try:
         result = deploy_model(config)
     except Exception as exc:

@@ -21,6 +21,7 @@ from pydantic import BaseModel, Field
 
 from tasks.bench import BenchSpec, bench_level, sweep
 from tasks.disk import GB, evict_task, plan_disk_task
+from tasks.errors import first_line
 from tasks.gpu import HardwarePlan, check_hardware_task, kv_cache_is_fp8, probe_gpus
 from tasks.host_lock import host_lock
 from tasks.hub import (
@@ -211,11 +212,6 @@ def deploy_model(config: DeployConfig) -> DeployResult:
         return _deploy(config)
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).splitlines()
-    return f"{type(err).__name__}: {text[0] if text else ''}"
-
-
 def _serving(handle: ServerHandle, config: ServerConfig) -> ServerConfig:
     """The launch as it really ran: port 0 became a real port, which a restore must take again."""
     return config.model_copy(update={"port": int(handle.base_url.rsplit(":", 1)[1])})
@@ -226,17 +222,17 @@ def _restore(previous: LastGood, run_dir: Path, startup_timeout_s: float, reason
     logger = get_run_logger()
     what = f"{previous.repo_id}@{previous.commit[:12]}"
     title = f"# Rolled back to {what}\n\n**Why:** the new deployment failed after the old server was stopped: " \
-            f"`{_first_line(reason)}`\n\n"
-    logger.warning("new deployment failed (%s); restarting the last good one, %s", _first_line(reason), what)
+            f"`{first_line(reason)}`\n\n"
+    logger.warning("new deployment failed (%s); restarting the last good one, %s", first_line(reason), what)
     api_key = Secret.load(previous.api_key_secret).get() if previous.api_key_secret else None
     try:
         handle = start_and_wait(previous.server, run_dir, startup_timeout_s, f"server-failure-{slug}-rollback",
                                 api_key)
     except Exception as err:
         create_markdown_artifact(key=f"rollback-{slug}", markdown=title + (
-            f"**Rollback failed:** `{_first_line(err)}`. Nothing serves on this host now."),
+            f"**Rollback failed:** `{first_line(err)}`. Nothing serves on this host now."),
             description=f"rollback to {what} failed")
-        logger.error("rollback to %s failed: %s", what, _first_line(err))
+        logger.error("rollback to %s failed: %s", what, first_line(err))
         return
     write_last_good(run_dir, previous.model_copy(update={"serving_pgid": handle.pgid}))
     create_markdown_artifact(key=f"rollback-{slug}", markdown=title + (

@@ -10,7 +10,8 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from flows.deploy import DeployConfig, deploy_model
-from tasks.hub import hub_token, resolve_snapshot_task
+from tasks.errors import first_line
+from tasks.hub import HubUnreachable, hub_token, resolve_snapshot_task
 from tasks.records import read_last_good
 from tasks.report import model_slug
 from tasks.server import serving_group
@@ -20,11 +21,16 @@ from tasks.server import serving_group
 def nightly_refresh(config: DeployConfig) -> str:
     """Returns "no-change" or "deployed"; a failed deploy (a regression included) fails the run."""
     logger = get_run_logger()
-    with hub_token(config.hf_token_secret):
-        snapshot = resolve_snapshot_task(config.repo_id, config.revision, config.hub_endpoint)
-    last = read_last_good(config.run_dir)
     key = f"nightly-{model_slug(config.repo_id)}"
     title = f"# Nightly refresh of {config.repo_id}@{config.revision}\n\n"
+    try:
+        with hub_token(config.hf_token_secret):
+            snapshot = resolve_snapshot_task(config.repo_id, config.revision, config.hub_endpoint)
+    except HubUnreachable as err:
+        create_markdown_artifact(key=key, markdown=title + (
+            f"**Hub unreachable:** {err}\n\nNothing was downloaded or restarted; what served keeps serving."))
+        raise
+    last = read_last_good(config.run_dir)
     if last is not None and last.repo_id == config.repo_id and last.commit == snapshot.commit:
         create_markdown_artifact(key=key, markdown=title + (
             f"**No change:** `{config.revision}` is still commit `{snapshot.commit}`, the last good deployment "
@@ -41,8 +47,7 @@ def nightly_refresh(config: DeployConfig) -> str:
         serving = now is not None and now.serving_pgid is not None and \
             serving_group(config.run_dir / "server.json") == now.serving_pgid
         create_markdown_artifact(key=key, markdown=title + (
-            f"**Failed:** commit `{snapshot.commit}` did not deploy: `{type(err).__name__}: "
-            f"{str(err).splitlines()[0] if str(err) else ''}`.\n\n"
+            f"**Failed:** commit `{snapshot.commit}` did not deploy: `{first_line(err)}`.\n\n"
             + (f"**Serving:** the last good deployment, `{now.repo_id}@{now.commit}`." if serving
                else "**Serving:** nothing on this host.")))
         raise

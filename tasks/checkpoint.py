@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from tasks.hub import RepoSnapshot
+from tasks.hub import RepoSnapshot, reaching
 from tasks.headers import CheckpointError, FileHeader, TensorMeta, read_int_values, read_local_header, read_remote_header
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -86,7 +86,7 @@ def local_view(model_dir: Path) -> CheckpointView:
 
 def remote_view(snapshot: RepoSnapshot, endpoint: str | None = None) -> CheckpointView:
     """Config and index by GET, headers by range requests; no shard is downloaded."""
-    from huggingface_hub import hf_hub_url
+    from huggingface_hub import constants, hf_hub_url
     from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
     repo_id = snapshot.repo_id
@@ -100,23 +100,25 @@ def remote_view(snapshot: RepoSnapshot, endpoint: str | None = None) -> Checkpoi
     def get(name: str) -> bytes:
         if name not in sizes:
             raise CheckpointError(f"{source}: {name}: missing")
-        r = get_session().get(url(name), headers=http_headers, follow_redirects=True, timeout=30)
+        r = get_session().get(url(name), headers=http_headers, follow_redirects=True,
+                              timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT)
         hf_raise_for_status(r)
         return r.content
 
-    config_bytes = get("config.json")
-    config = _json(config_bytes, f"{source}: config.json")
-    read = len(config_bytes)
-    weight_map = None
-    if INDEX_FILE in sizes:
-        index_bytes = get(INDEX_FILE)
-        read += len(index_bytes)
-        weight_map = _weight_map(_json(index_bytes, f"{source}: {INDEX_FILE}"), f"{source}: {INDEX_FILE}")
-    stored = {p for p in sizes if p.endswith(".safetensors") and "/" not in p}
-    if not stored:
-        raise CheckpointError(f"{source}: no *.safetensors files")
-    with ThreadPoolExecutor(max_workers=16) as pool:
-        headers = list(pool.map(lambda n: read_remote_header(url(n), n, sizes[n], http_headers), sorted(stored)))
+    with reaching(endpoint):
+        config_bytes = get("config.json")
+        config = _json(config_bytes, f"{source}: config.json")
+        read = len(config_bytes)
+        weight_map = None
+        if INDEX_FILE in sizes:
+            index_bytes = get(INDEX_FILE)
+            read += len(index_bytes)
+            weight_map = _weight_map(_json(index_bytes, f"{source}: {INDEX_FILE}"), f"{source}: {INDEX_FILE}")
+        stored = {p for p in sizes if p.endswith(".safetensors") and "/" not in p}
+        if not stored:
+            raise CheckpointError(f"{source}: no *.safetensors files")
+        with ThreadPoolExecutor(max_workers=16) as pool:
+            headers = list(pool.map(lambda n: read_remote_header(url(n), n, sizes[n], http_headers), sorted(stored)))
     named = set(weight_map.values()) if weight_map else set()
     return CheckpointView(
         source=source, config=config, headers=headers, weight_map=weight_map, stored_shards=stored,

@@ -129,13 +129,14 @@ def read_int_values(path: Path, metas: list[TensorMeta]) -> dict[TensorMeta, tup
 def read_remote_header(url: str, file: str, file_size: int, headers: dict[str, str]) -> FileHeader:
     """Two range requests: the 8-byte length, then exactly the header."""
     from huggingface_hub.utils import get_session, hf_raise_for_status
+    from huggingface_hub import constants
 
     session = get_session()
 
     def read(offset: int, length: int) -> bytes:
         # Streamed, so a server that ignores Range (200, whole file) costs only the bytes kept.
         with session.stream("GET", url, headers={**headers, "Range": f"bytes={offset}-{offset + length - 1}"},
-                            follow_redirects=True, timeout=30) as r:
+                            follow_redirects=True, timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT) as r:
             hf_raise_for_status(r)
             skip = offset if r.status_code == 200 else 0
             body = bytearray()

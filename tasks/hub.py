@@ -41,14 +41,49 @@ from prefect.blocks.system import Secret
 from prefect.tasks import exponential_backoff
 
 from tasks.disk import DiskSpaceError
+from tasks.errors import UnusableInput
 
 PART_SUFFIX = ".part"  # bytes of a blob still coming in; never visible under snapshots/
 CHUNK = 8 * 1024 * 1024
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 
-class HubError(RuntimeError):
+class HubError(UnusableInput):
     """A hub answer that retrying cannot change (missing repo, revision or file, no access)."""
+
+
+class HubUnreachable(UnusableInput):
+    """No HTTP answer at all: refused, unresolved name, TLS failure or timeout. Worth retrying in a
+    flow (a hub outage passes), but named in one line: a typo in the endpoint looks just like this."""
+
+
+def unreachable(exc: HTTPError, endpoint: str | None) -> HubUnreachable:
+    """The transport error as one line that names the endpoint and what went wrong."""
+    url = (endpoint or constants.ENDPOINT).rstrip("/")
+    detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    low = detail.lower()
+    if "timeout" in type(exc).__name__.lower() or "timed out" in low:
+        what = f"no answer within {constants.HF_HUB_DOWNLOAD_TIMEOUT} s (HF_HUB_DOWNLOAD_TIMEOUT)"
+    elif "ssl" in low or "certificate" in low or "tls" in low:
+        what = "TLS handshake failed"
+    elif "name or service not known" in low or "name resolution" in low or "nodename" in low or "errno -" in low:
+        what = "host name not resolved"
+    elif "refused" in low:
+        what = "connection refused"
+    else:
+        what = "network error"
+    return HubUnreachable(f"Hub unreachable at {url}: {what} ({detail}); check the endpoint (--endpoint, HF_ENDPOINT)")
+
+
+@contextlib.contextmanager
+def reaching(endpoint: str | None) -> Iterator[None]:
+    """Transport failures inside become HubUnreachable; the hub's own HTTP answers pass unchanged."""
+    try:
+        yield
+    except HfHubHTTPError:
+        raise
+    except HTTPError as exc:
+        raise unreachable(exc, endpoint) from exc
 
 
 class ChecksumError(RuntimeError):
@@ -140,7 +175,9 @@ def resolve_snapshot(repo_id: str, revision: str, endpoint: str | None = None) -
     """One model_info call: the commit sha and every file's size and hash at that commit."""
     api = HfApi(endpoint=endpoint)
     try:
-        info = api.model_info(repo_id, revision=revision, files_metadata=True)
+        with reaching(endpoint):  # huggingface_hub sets no deadline of its own: a silent hub would hang
+            info = api.model_info(repo_id, revision=revision, files_metadata=True,
+                                  timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT)
     except RevisionNotFoundError as exc:
         raise HubError(f"revision {revision!r} not found in repo {repo_id}") from exc
     except HfHubHTTPError as exc:
@@ -303,7 +340,8 @@ def fetch_file(snapshot: RepoSnapshot, file: RepoFile, cache_dir: Path, endpoint
                 fh.truncate(0)
             sink = _HashingFile(fh, file, on_bytes)
             try:
-                _stream(url, sink, file)
+                with reaching(endpoint):
+                    _stream(url, sink, file)
             except HfHubHTTPError as exc:
                 permanent = _access_error(exc, f"{snapshot.repo_id}: {file.path}") or (
                     HubError(f"{snapshot.repo_id}@{snapshot.commit[:12]}: {file.path} not found")
@@ -344,6 +382,8 @@ def record_revision(snapshot: RepoSnapshot, cache_dir: Path) -> None:
 
 def is_transient(exc: BaseException) -> bool:
     """Worth another try: network faults, 5xx and 429, a short stream, a checksum mismatch."""
+    if isinstance(exc, HubUnreachable):
+        return True
     if isinstance(exc, (HubError, DiskSpaceError, RepositoryNotFoundError, RevisionNotFoundError,
                         EntryNotFoundError)):
         return False
