@@ -80,6 +80,11 @@ def demo(
                f"({int4.validation.modules_packed} packed modules; validated, not served on CPU)")
     typer.echo(f"Deployed {result.prepared.repo_id}@{result.prepared.commit[:12]} on {result.platform}\n")
     _print_table(result.results)
+    if result.record.compared:
+        typer.echo(f"\nCompared with the previous demo run, {result.record.compared}.\nNot gated: on a shared "
+                   "2-core machine run-to-run noise exceeds any fixed threshold; `rollout deploy` gates at 10%.")
+    else:
+        typer.echo(f"\nFirst demo run in {work_dir}: the next one will compare itself with this one.")
     typer.echo(
         "\nThe runs, their artifacts (bench-demo-tiny-moe, validation-*) and logs are in Prefect's database."
         "\nOpen them in the UI:  prefect server start   then browse http://127.0.0.1:4200/runs"

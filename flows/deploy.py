@@ -106,6 +106,7 @@ class DeployResult(BaseModel):
     prepared: PreparedModel
     platform: str
     results: list[dict]
+    record: RunRecord  # the history record: its `compared` says how this run stands against the last good one
     base_url: str | None = None  # where the new deployment serves; None when keep_serving was off
 
 
@@ -137,14 +138,21 @@ def _publish_validation(report: ValidationReport, repo_id: str, stage: str) -> N
         )
 
 
-@flow(name="prepare-model", task_runner=ThreadPoolTaskRunner(max_workers=8))
+@flow(name="prepare-model")
 def prepare_model(config: DeployConfig) -> PreparedModel:
     """Pin the revision, make room, fetch every file in parallel, and check the checkpoint."""
-    with hub_token(config.hf_token_secret):
-        return _prepare(config)
+    return _prepare(config)
 
 
 def _prepare(config: DeployConfig) -> PreparedModel:
+    """The prepare steps as tasks of the calling flow. deploy_model runs them in its own run, not as a
+    prepare-model subflow: a task fed a subflow's result records a `flow_run` input, and Prefect's UI
+    then lists none of the run's task runs (PrefectHQ/prefect#18680)."""
+    with hub_token(config.hf_token_secret):
+        return _prepare_with_token(config)
+
+
+def _prepare_with_token(config: DeployConfig) -> PreparedModel:
     logger = get_run_logger()
     slug = model_slug(config.repo_id)
     snapshot = resolve_snapshot_task(config.repo_id, config.revision, config.hub_endpoint)
@@ -169,10 +177,12 @@ def _prepare(config: DeployConfig) -> PreparedModel:
     progress = FetchProgress(snapshot.total_bytes, snapshot.total_bytes - needed, f"fetch-progress-{slug}")
     files = sorted(snapshot.files, key=lambda f: f.size)  # config and tokenizer first: cheap early failures
     started = time.perf_counter()
-    futures = [fetch_file_task.submit(snapshot, f, config.cache_dir, config.hub_endpoint, progress.add)
-               for f in files]
-    wait(futures)
-    results = [future.result() for future in futures]  # raises the first failed fetch with its own message
+    with ThreadPoolTaskRunner(max_workers=config.max_parallel_downloads) as downloads:
+        futures = [downloads.submit(fetch_file_task, {"snapshot": snapshot, "file": f, "cache_dir": config.cache_dir,
+                                                      "endpoint": config.hub_endpoint, "on_bytes": progress.add})
+                   for f in files]
+        wait(futures)
+        results = [future.result() for future in futures]  # raises the first failed fetch with its own message
     wall_s = time.perf_counter() - started
     progress.finish()
     record_revision(snapshot, config.cache_dir)
@@ -253,9 +263,7 @@ def _deploy(config: DeployConfig) -> DeployResult:
     previous = last_good if current is not None else None  # serving now: keeps serving while we fetch
     warming = warm_option_table(config.run_dir)  # so a bad flag is refused in ms once the model is in place
     try:
-        prepared = prepare_model.with_options(
-            task_runner=ThreadPoolTaskRunner(max_workers=config.max_parallel_downloads)
-        )(config)
+        prepared = _prepare(config)
         gpu = probe_gpus()
         logger.info("platform %s: %s", gpu.platform, ", ".join(g.name for g in gpu.gpus) or gpu.reason)
         slug = model_slug(config.repo_id)
@@ -300,7 +308,7 @@ def _deploy(config: DeployConfig) -> DeployResult:
         repo_id=prepared.repo_id, commit=prepared.commit, model_dir=prepared.model_dir, revision=config.revision,
         server=_serving(handle, server_cfg), api_key_secret=config.api_key_secret,
         serving_pgid=handle.pgid if config.keep_serving else None, record=record))
-    return DeployResult(prepared=prepared, platform=gpu.platform, results=rows,
+    return DeployResult(prepared=prepared, platform=gpu.platform, results=rows, record=record,
                         base_url=handle.base_url if config.keep_serving else None)
 
 

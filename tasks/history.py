@@ -50,6 +50,7 @@ class RunRecord(BaseModel):
     p99_ttft_ms: float | None
     status: str = "passed"
     note: str = ""
+    compared: str = ""  # the change against the previous good run of the same model on the same GPUs
     flow_run_id: str | None = None
 
 
@@ -82,11 +83,24 @@ def regressions(previous: RunRecord, current: RunRecord, threshold: float) -> li
     return found
 
 
+def changes(previous: RunRecord, current: RunRecord) -> str:
+    """Every compared number beside its predecessor, gated or not: what a reader of the run wants first."""
+    parts = []
+    for field, label, unit in (("single_stream_tok_s", "single stream", "tok/s"), ("peak_tok_s", "peak", "tok/s"),
+                               ("p99_ttft_ms", "p99 TTFT", "ms")):
+        before, now = getattr(previous, field), getattr(current, field)
+        if before and now is not None:
+            parts.append(f"{label} {now:.1f} vs {before:.1f} {unit} ({now / before - 1:+.0%})")
+    return f"against {previous.commit[:12]} ({previous.time:%Y-%m-%d %H:%M}): " + ", ".join(parts)
+
+
 def check_regression(previous: RunRecord | None, current: RunRecord, threshold: float | None) -> RunRecord:
-    """The record marked regressed (with what and against which run) when it is; unchanged otherwise."""
-    if previous is None or threshold is None or previous.model != current.model or previous.gpu != current.gpu:
+    """The record with its comparison against `previous`, marked regressed (with what) when a number
+    is worse beyond `threshold`; with no threshold it is compared, never marked."""
+    if previous is None or previous.model != current.model or previous.gpu != current.gpu:
         return current
-    found = regressions(previous, current, threshold)
+    current = current.model_copy(update={"compared": changes(previous, current)})
+    found = regressions(previous, current, threshold) if threshold is not None else []
     if not found:
         return current
     note = f"regressed beyond {threshold:.0%} against {previous.commit[:12]} ({previous.time:%Y-%m-%d %H:%M}): " \

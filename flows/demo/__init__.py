@@ -61,5 +61,8 @@ def run_demo(work_dir: Path):
     with LocalHub(hub_root) as hub:
         os.environ["HF_ENDPOINT"] = hub.endpoint  # for anything in this process tree that asks the Hub
         int4 = prepare_model(demo_config(hub.endpoint, work_dir / "models", repo_id=INT4_REPO))
-        result = deploy_model(demo_config(hub.endpoint, work_dir / "models"))
+        # No regression gate: on two shared cores vLLM and the client fight for the CPU, and the same
+        # commit's peak throughput moved 4x between runs (389 vs 1487 tok/s). The result still says
+        # how it compares with the previous demo run (DeployResult.record.compared).
+        result = deploy_model(demo_config(hub.endpoint, work_dir / "models", max_regression=None))
     return int4, result
