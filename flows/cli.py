@@ -17,6 +17,8 @@ from typing import Annotated, Optional  # noqa: E402
 
 import typer  # noqa: E402
 
+from tasks.errors import BenchConfigError, RolloutError, UnusableInput, first_line  # noqa: E402 (imports nothing)
+
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
@@ -49,8 +51,6 @@ def _exit_on_sigterm() -> None:
 
 def _fail(exc: BaseException) -> None:
     """One line and the error's exit code (2: unusable input such as an unreachable hub; else 1)."""
-    from tasks.errors import RolloutError, first_line
-
     if isinstance(exc, RolloutError):
         typer.echo(f"error: {str(exc).splitlines()[0]}", err=True)
         raise typer.Exit(exc.exit_code)
@@ -102,8 +102,6 @@ def validate(
 
     Exit 0 on pass, 1 on violations, 2 on unusable input.
     """
-    from tasks.errors import UnusableInput
-    from tasks.headers import CheckpointError
     from tasks.validate import validate_checkpoint, validate_remote
 
     local = Path(target)
@@ -112,7 +110,7 @@ def validate(
             report = validate_checkpoint(local)
         else:
             report = validate_remote(target, revision, endpoint)
-    except (CheckpointError, UnusableInput) as exc:
+    except UnusableInput as exc:  # an unreadable checkpoint, an unknown repo, a hub that does not answer
         if as_json:
             typer.echo(json.dumps({"verdict": "error", "error": str(exc), "violations": []}))
         typer.echo(f"error: {exc}", err=True)
@@ -161,7 +159,6 @@ def deploy(
 
     from flows.deploy import DeployConfig, deploy_model
     from tasks.bench import BenchSpec
-    from tasks.errors import UnusableInput
     from tasks.hub import resolve_snapshot
     from tasks.server import VllmSettings
 
@@ -219,7 +216,7 @@ def bench(
     import httpx
     from pydantic import ValidationError
 
-    from tasks.bench import BenchConfigError, BenchSpec, geometric_levels, level_prompts, run_level, sweep
+    from tasks.bench import BenchSpec, geometric_levels, level_prompts, run_level, sweep
     from tasks.report import model_slug, save_results
 
     try:

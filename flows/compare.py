@@ -9,12 +9,9 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from pydantic import BaseModel, Field
 
+from tasks.errors import RegressionError
 from tasks.history import comparison, read_history
 from tasks.report import json_value
-
-
-class RegressionFound(RuntimeError):
-    """A run benchmarked worse than the run before it beyond the threshold."""
 
 
 class CompareConfig(BaseModel):
@@ -44,5 +41,5 @@ def compare_runs(config: CompareConfig) -> list[dict]:
     logger.info("%d runs of %d model(s), %d newest run(s) regressed", len(rows), table["model"].nunique(),
                 len(regressed))
     if config.fail_on_regression and not regressed.empty:
-        raise RegressionFound("; ".join(f"{r.model}: {r.regression}" for r in regressed.itertuples()))
+        raise RegressionError("; ".join(f"{r.model}: {r.regression}" for r in regressed.itertuples()))
     return rows

@@ -21,7 +21,7 @@ from pydantic import BaseModel, Field
 
 from tasks.bench import BenchSpec, bench_level, sweep
 from tasks.disk import GB, evict_task, plan_disk_task
-from tasks.errors import first_line
+from tasks.errors import RegressionError, ValidationFailed, first_line
 from tasks.gpu import HardwarePlan, check_hardware_task, kv_cache_is_fp8, probe_gpus
 from tasks.host_lock import host_lock
 from tasks.hub import (
@@ -34,7 +34,7 @@ from tasks.hub import (
     resolve_snapshot_task,
     snapshot_dir,
 )
-from tasks.history import RegressionError, RunRecord, check_regression, publish_record, run_record
+from tasks.history import RunRecord, check_regression, publish_record, run_record
 from tasks.records import LastGood, read_last_good, write_last_good
 from tasks.report import model_slug, publish_results
 from tasks.server import (
@@ -50,10 +50,6 @@ from tasks.server import (
     warm_option_table,
 )
 from tasks.validate import ValidationReport, publish_report, validate_checkpoint_task, validate_remote_task
-
-
-class ValidationFailed(RuntimeError):
-    """The checkpoint does not store what its quantization config says."""
 
 
 class DeployConfig(BaseModel):

@@ -10,8 +10,8 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from flows.deploy import DeployConfig, deploy_model
-from tasks.errors import first_line
-from tasks.hub import HubUnreachable, hub_token, resolve_snapshot_task
+from tasks.errors import HubUnreachable, first_line
+from tasks.hub import hub_token, resolve_snapshot_task
 from tasks.records import read_last_good
 from tasks.report import model_slug
 from tasks.server import serving_group

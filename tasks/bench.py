@@ -37,11 +37,9 @@ from prefect.cache_policies import NO_CACHE
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, Field, field_validator
 
+from tasks.errors import BenchConfigError
+
 PERCENTILES = (90, 99)
-
-
-class BenchConfigError(ValueError):
-    """The benchmark cannot build its prompts from what it was given."""
 
 
 class BenchSpec(BaseModel):

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from tasks.errors import CheckpointError
 from tasks.hub import RepoSnapshot, reaching
-from tasks.headers import CheckpointError, FileHeader, TensorMeta, read_int_values, read_local_header, read_remote_header
+from tasks.headers import FileHeader, TensorMeta, read_int_values, read_local_header, read_remote_header
 
 INDEX_FILE = "model.safetensors.index.json"
 ValueReader = Callable[[list[TensorMeta]], dict[TensorMeta, tuple[int, ...]]]

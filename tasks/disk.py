@@ -20,12 +20,10 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from pydantic import BaseModel
 
+from tasks.errors import DiskSpaceError
+
 GB = 10**9
 MODEL_DIRS_SKIPPED = {"hub", ".rollout", "lost+found"}  # models_root/hub is the HF cache, scanned per revision
-
-
-class DiskSpaceError(RuntimeError):
-    """The model will not fit on the models filesystem, or deleting did not free what it should."""
 
 
 @dataclass(frozen=True)

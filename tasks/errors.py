@@ -1,19 +1,82 @@
-"""The project's errors, one base class: each carries the exit code its command ends with, and its
-message names what to fix, so the CLI prints one line and a flow's failure reads the same."""
+"""Every error the project raises on purpose, under one base class.
+
+Each carries the exit code its command ends with, and a message that names the file, field,
+endpoint or fix, so the CLI prints one line and a flow's failure reads the same in the UI.
+"""
 
 from __future__ import annotations
 
 
 class RolloutError(RuntimeError):
-    """A failure the user can act on; `exit_code` is what the CLI exits with (1: the check failed)."""
+    """A failure the user can act on; `exit_code` is what the CLI exits with (1: a check failed)."""
 
     exit_code = 1
 
 
 class UnusableInput(RolloutError):
-    """Nothing could be checked: a bad name, an endpoint that does not answer (exit 2)."""
+    """Nothing could be checked: a bad name or file, an endpoint that does not answer (exit 2)."""
 
     exit_code = 2
+
+
+# Hub
+class HubError(UnusableInput):
+    """A hub answer that retrying cannot change (missing repo, revision or file, no access)."""
+
+
+class HubUnreachable(UnusableInput):
+    """No HTTP answer at all: refused, unresolved name, TLS failure or timeout. Worth retrying in a
+    flow (a hub outage passes), but named in one line: a typo in the endpoint looks just like this."""
+
+
+class ChecksumError(RolloutError):
+    """Downloaded bytes differ from what the hub published; the partial file was deleted."""
+
+
+class IncompleteDownload(RolloutError):
+    """The stream ended short of the file's size; the bytes so far stay for the next try to resume."""
+
+
+# Disk
+class DiskSpaceError(RolloutError):
+    """The model will not fit on the models filesystem, or deleting did not free what it should."""
+
+
+# Checkpoint
+class CheckpointError(UnusableInput, ValueError):
+    """The checkpoint cannot be read at all (missing dir, bad JSON, hostile or broken header)."""
+
+
+class ValidationFailed(RolloutError):
+    """The checkpoint does not store what its quantization config says."""
+
+
+# GPUs and vLLM
+class GpuConfigError(RolloutError):
+    """The deployment cannot run on this host's GPUs."""
+
+
+class HostBusyError(RolloutError):
+    """Another deploy holds this host's GPUs."""
+
+
+class ServerStartError(RolloutError):
+    """vLLM did not become ready; `cause` is a stable id, `log_tail` the last lines it wrote."""
+
+    def __init__(self, message: str, cause: str, log_tail: str):
+        super().__init__(message)
+        self.cause = cause
+        self.log_tail = log_tail
+
+
+# Benchmark
+class BenchConfigError(UnusableInput, ValueError):
+    """The benchmark cannot build its prompts from what it was given."""
+
+
+class RegressionError(RolloutError):
+    """A run benchmarks worse than the last good run of the same model on the same GPUs, beyond the
+    allowed threshold."""
 
 
 def first_line(err: BaseException) -> str:

@@ -13,11 +13,8 @@ from typing import Literal
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 
+from tasks.errors import GpuConfigError
 from tasks.validate import Violation
-
-
-class GpuConfigError(RuntimeError):
-    """The deployment cannot run on this host's GPUs."""
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,8 @@ from typing import Callable, NamedTuple
 
 import orjson
 
+from tasks.errors import CheckpointError
+
 # safetensors' own reader refuses headers above 100 MB; Kimi-K2.5's largest is a few MB.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 DTYPE_BYTES = {
@@ -25,10 +27,6 @@ DTYPE_BYTES = {
     "U64": 8, "I64": 8, "F64": 8, "C64": 8,
 }
 _INT_FORMATS = {"I32": "i", "I64": "q", "U32": "I", "U64": "Q", "I16": "h", "U16": "H", "I8": "b", "U8": "B"}
-
-
-class CheckpointError(ValueError):
-    """The checkpoint cannot be read at all (missing dir, bad JSON, hostile or broken header)."""
 
 
 class TensorMeta(NamedTuple):  # a tuple: 200k of them are built per Kimi-sized checkpoint

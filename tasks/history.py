@@ -29,10 +29,6 @@ COLUMNS = ["time", "model", "revision", "single_stream_tok_s", "peak_tok_s", "kn
            "vllm_version", "gpu", "status", "change", "regression"]
 
 
-class RegressionError(RuntimeError):
-    """The new deployment benchmarks worse than the one it replaces, beyond the allowed threshold."""
-
-
 class RunRecord(BaseModel):
     """What a run is compared by; `status` is passed or regressed, `note` says against what."""
 

@@ -18,12 +18,10 @@ from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.concurrency.sync import concurrency
 from prefect.exceptions import ObjectAlreadyExists
 
+from tasks.errors import HostBusyError
+
 
 LEASE_S = 60.0  # renewed while the deploy lives; a deploy killed with SIGKILL frees the host after this
-
-
-class HostBusyError(RuntimeError):
-    """Another deploy holds this host's GPUs."""
 
 
 def limit_name(host: str | None = None) -> str:

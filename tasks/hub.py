@@ -40,21 +40,11 @@ from prefect.cache_policies import NO_CACHE
 from prefect.blocks.system import Secret
 from prefect.tasks import exponential_backoff
 
-from tasks.disk import DiskSpaceError
-from tasks.errors import UnusableInput
+from tasks.errors import ChecksumError, DiskSpaceError, HubError, HubUnreachable, IncompleteDownload
 
 PART_SUFFIX = ".part"  # bytes of a blob still coming in; never visible under snapshots/
 CHUNK = 8 * 1024 * 1024
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
-
-
-class HubError(UnusableInput):
-    """A hub answer that retrying cannot change (missing repo, revision or file, no access)."""
-
-
-class HubUnreachable(UnusableInput):
-    """No HTTP answer at all: refused, unresolved name, TLS failure or timeout. Worth retrying in a
-    flow (a hub outage passes), but named in one line: a typo in the endpoint looks just like this."""
 
 
 def unreachable(exc: HTTPError, endpoint: str | None) -> HubUnreachable:
@@ -84,14 +74,6 @@ def reaching(endpoint: str | None) -> Iterator[None]:
         raise
     except HTTPError as exc:
         raise unreachable(exc, endpoint) from exc
-
-
-class ChecksumError(RuntimeError):
-    """Downloaded bytes differ from what the hub published; the partial file was deleted."""
-
-
-class IncompleteDownload(RuntimeError):
-    """The stream ended short of the file's size; the bytes so far stay for the next try to resume."""
 
 
 @dataclass(frozen=True)

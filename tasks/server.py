@@ -25,6 +25,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, Field
 
+from tasks.errors import ServerStartError
 from tasks.vllm_args import installed_version, quick_check
 
 LOG_TAIL_LINES = 60
@@ -38,15 +39,6 @@ FAILURE_CAUSES = [
     ("nccl", r"NCCL error|ncclInternalError|NCCL WARN"),
     ("unsupported-model", r"not supported|Unsupported|No .* backend supports|ValidationError|does not recognize this architecture|Invalid repository ID|JSONDecodeError|Error loading config|config\.json"),
 ]
-
-
-class ServerStartError(RuntimeError):
-    """vLLM did not become ready; `cause` is a stable id, `log_tail` the last lines it wrote."""
-
-    def __init__(self, message: str, cause: str, log_tail: str):
-        super().__init__(message)
-        self.cause = cause
-        self.log_tail = log_tail
 
 
 class VllmSettings(BaseModel):

@@ -20,7 +20,8 @@ from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tasks.checkpoint import CheckpointView, local_view, remote_view
-from tasks.headers import CheckpointError, TensorMeta
+from tasks.errors import CheckpointError
+from tasks.headers import TensorMeta
 from tasks.hub import RepoSnapshot, resolve_snapshot
 
 UNQUANTIZED_DTYPES = {"BF16", "F16", "F32"}

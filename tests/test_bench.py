@@ -12,7 +12,6 @@ import pytest
 
 from flows.demo.openai_server import StreamingServer
 from tasks.bench import (
-    BenchConfigError,
     BenchSpec,
     LevelRun,
     RequestRecord,
@@ -28,6 +27,7 @@ from tasks.bench import (
     summarize,
     sweep,
 )
+from tasks.errors import BenchConfigError
 
 SPEC = BenchSpec(input_len=16, output_len=20, requests_per_level=8)
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.disk import DiskSpaceError, check_plan, evict, inventory, measure, plan_space
+from tasks.disk import check_plan, evict, inventory, measure, plan_space
+from tasks.errors import DiskSpaceError
 from tasks.server import served_model
 
 MB = 10**6

@@ -13,14 +13,10 @@ from fake_nvml import FakeNvml
 
 from flows.demo import BF16_REPO, demo_config, run_demo
 from flows.deploy import deploy_model, prepare_model
-from tasks.disk import DiskSpaceError
-from tasks.gpu import GpuConfigError
-from tasks.host_lock import HostBusyError, host_lock
+from tasks.errors import CheckpointError, DiskSpaceError, GpuConfigError, HostBusyError, HubError, ServerStartError
+from tasks.host_lock import host_lock
 from tasks.history import RunRecord
-from tasks.hub import HubError
 from tasks.records import LastGood, write_last_good
-from tasks.server import ServerStartError
-from tasks.headers import CheckpointError
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 

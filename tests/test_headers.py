@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import tracemalloc
 
-from tasks.headers import MAX_HEADER_BYTES, CheckpointError, read_local_header
+from tasks.errors import CheckpointError
+from tasks.headers import MAX_HEADER_BYTES, read_local_header
 
 
 def write_raw(path: Path, header: dict | bytes, data_len: int, claimed_len: int | None = None) -> Path:

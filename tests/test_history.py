@@ -11,9 +11,10 @@ from prefect import flow
 from typer.testing import CliRunner
 
 from flows.cli import app
-from flows.compare import CompareConfig, RegressionFound, compare_runs
+from flows.compare import CompareConfig, compare_runs
 from flows.demo.openai_server import StreamingServer
 from tasks.bench import BenchSpec, run_level
+from tasks.errors import RegressionError
 from tasks.history import RunRecord, check_regression, publish_record, read_history, run_record
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
@@ -70,7 +71,7 @@ def test_history_reads_runs_of_two_models_back_and_finds_the_planted_regression(
     assert one.exit_code == 0, one.output
     assert len(one.stdout.splitlines()) == 1 + 3 and "0.32.0" in one.stdout and slow not in one.stdout
 
-    with pytest.raises(RegressionFound, match=f"{slow}: single-stream tok/s"):
+    with pytest.raises(RegressionError, match=f"{slow}: single-stream tok/s"):
         compare_runs(CompareConfig(models=[fast, slow], threshold=0.5, fail_on_regression=True))
     table = artifact("run-comparison")
     assert table.type == "table" and table.description == "5 runs of 2 model(s)"

@@ -21,11 +21,9 @@ import pytest
 from huggingface_hub.errors import HfHubHTTPError, Response
 
 from flows.demo.hub_server import Fault, LocalHub
-from tasks.disk import DiskSpaceError
+from tasks.errors import ChecksumError, DiskSpaceError, HubError
 from tasks.hub import (
     PART_SUFFIX,
-    ChecksumError,
-    HubError,
     RepoSnapshot,
     check_filename,
     fetch_file,

@@ -18,7 +18,7 @@ import flows.nightly
 from flows.cli import app
 from flows.demo import demo_config
 from flows.nightly import nightly_refresh
-from tasks.hub import HubUnreachable
+from tasks.errors import HubUnreachable
 
 runner = CliRunner()
 

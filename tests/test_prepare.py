@@ -21,7 +21,8 @@ from conftest import artifact
 from flows.demo import BF16_REPO, demo_config
 from flows.demo.hub_server import LocalHub
 from flows.deploy import prepare_model
-from tasks.disk import GB, DiskSpaceError, inventory, measure
+from tasks.disk import GB, inventory, measure
+from tasks.errors import DiskSpaceError
 from tasks.hub import PART_SUFFIX
 
 pytestmark = pytest.mark.usefixtures("prefect_server")

@@ -9,7 +9,8 @@ from conftest import artifact, vllm_processes
 from flows.demo import BF16_REPO, demo_config
 from flows.deploy import deploy_model
 from flows.nightly import nightly_refresh
-from tasks.history import RegressionError, read_history
+from tasks.errors import RegressionError
+from tasks.history import read_history
 from tasks.records import read_last_good, write_last_good
 from tasks.server import reap_stale, serving_group
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from tasks.errors import ServerStartError
 from tasks.vllm_args import quick_check
 from tasks.server import (
     ServerConfig,
-    ServerStartError,
     build_command,
     check_arguments,
     classify_failure,

@@ -11,7 +11,8 @@ import pytest
 from conftest import vllm_processes
 
 from flows.demo import BF16_REPO
-from tasks.server import ServerConfig, ServerStartError, group_members, reap_stale, start_server, stop_server, wait_ready
+from tasks.errors import ServerStartError
+from tasks.server import ServerConfig, group_members, reap_stale, start_server, stop_server, wait_ready
 
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 

@@ -14,9 +14,9 @@ from typer.testing import CliRunner
 from flows.cli import app
 from flows.demo import BF16_REPO, INT4_REPO
 from flows.demo.checkpoint import quantization_config
-from tasks.headers import CheckpointError
 from flows.demo.hub_server import LocalHub
 from flows.demo.sparse import write_sparse_kimi
+from tasks.errors import CheckpointError
 from tasks.validate import engine_names, match_name, validate_checkpoint, validate_remote
 
 HIDDEN, INTER, EXPERTS = 64, 32, 4
