@@ -127,6 +127,46 @@ def validate(
 
 
 @app.command()
+def prepare(
+    repo_id: Annotated[str, typer.Argument(help="Hub repo, e.g. moonshotai/Kimi-K2.5")],
+    revision: str = "main",
+    endpoint: Annotated[Optional[str], typer.Option(help="Hub URL; default HF_ENDPOINT or huggingface.co")] = None,
+    models_root: Path = Path("/models"),
+    evict: Annotated[bool, typer.Option("--evict/--dry-run", help="Delete what the disk plan lists, or only plan")] = False,
+    pin: Annotated[Optional[list[str]], typer.Option(help="Model never evicted (repo id, repo@commit, folder)")] = None,
+    hf_token_secret: Annotated[Optional[str], typer.Option(help="Prefect Secret block with the HF token")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the prepared model as JSON")] = False,
+) -> None:
+    """Stage a model without touching the GPUs: resolve, disk plan, fetch, validate (prepare-model).
+
+    Tonight's model, downloaded and checked in the afternoon, so the nightly only swaps servers.
+    """
+    from pydantic import ValidationError
+
+    from flows.deploy import DeployConfig, prepare_model
+    from tasks.hub import resolve_snapshot
+
+    _exit_on_sigterm()
+    try:
+        config = DeployConfig(repo_id=repo_id, revision=revision, hub_endpoint=endpoint, models_root=models_root,
+                              evict=evict, pinned_models=pin or [], hf_token_secret=hf_token_secret)
+    except ValidationError as exc:
+        _bad_option(exc)
+    try:  # one hub call before Prefect starts: a typo in the repo or the endpoint fails in a second
+        resolve_snapshot(repo_id, revision, endpoint)
+        prepared = prepare_model(config)
+    except Exception as exc:
+        _fail(exc)
+    if as_json:
+        typer.echo(prepared.model_dump_json(indent=2))
+        return
+    report = prepared.validation
+    typer.echo(f"prepared {prepared.repo_id}@{prepared.commit[:12]}: {prepared.total_bytes / 1e9:.2f} GB in "
+               f"{prepared.model_dir}\nvalidation {report.verdict}: {report.modules_packed} packed modules, "
+               f"{len(report.warnings)} warning(s)")
+
+
+@app.command()
 def deploy(
     repo_id: Annotated[str, typer.Argument(help="Hub repo, e.g. moonshotai/Kimi-K2.5")],
     revision: str = "main",

@@ -65,3 +65,26 @@ def test_bench_refuses_bad_input_in_one_line(args, code, expected, tmp_path):
 def test_bench_names_an_unreachable_server():
     result = runner.invoke(app, ["bench", "--base-url", "http://127.0.0.1:9", "--model", "m", "--vocab-size", "10"])
     assert result.exit_code == 1 and "--base-url http://127.0.0.1:9: no OpenAI model list" in result.stderr
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_prepare_stages_a_model_without_the_gpus(local_hub, tmp_path):
+    import json
+
+    result = runner.invoke(app, ["prepare", "demo/tiny-moe-int4", "--endpoint", local_hub.endpoint,
+                                 "--models-root", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    prepared = json.loads(result.stdout)
+    assert prepared["validation"]["verdict"] == "pass" and prepared["validation"]["modules_packed"] > 0
+    model_dir = tmp_path / "hub" / "models--demo--tiny-moe-int4" / "snapshots" / prepared["commit"]
+    assert prepared["model_dir"] == str(model_dir) and (model_dir / "config.json").exists()
+    assert not (tmp_path / ".rollout" / "server.json").exists()  # nothing was started
+
+
+def test_prepare_names_a_repo_that_does_not_exist(local_hub, tmp_path):
+    result = runner.invoke(app, ["prepare", "demo/absent", "--endpoint", local_hub.endpoint,
+                                 "--models-root", str(tmp_path)])
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: repo demo/absent not found on {local_hub.endpoint} (private repos need HF_TOKEN)"]
+    assert list(tmp_path.iterdir()) == []
