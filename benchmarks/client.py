@@ -19,8 +19,11 @@ import tempfile
 from pathlib import Path
 
 from flows.demo.checkpoint import train_tokenizer
-from flows.demo.openai_server import StreamingServer
 from tasks.bench import BenchSpec, run_level
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # testkit: not installed
+
+from testkit.openai_server import StreamingServer  # noqa: E402
 
 STREAMS = (1, 64, 256)
 VLLM_BENCH = "import sys, argparse; from vllm.benchmarks.serve import add_cli_args, main; " \

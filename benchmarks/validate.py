@@ -10,14 +10,18 @@ check), and the bytes read as a share of the checkpoint's size.
 from __future__ import annotations
 
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 from safetensors import safe_open
 
-from flows.demo.sparse import write_sparse_kimi
 from tasks.validate import validate_checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # testkit: not installed
+
+from testkit.sparse import write_sparse_kimi  # noqa: E402
 
 
 def _best_of(fn, runs: int = 3) -> float:

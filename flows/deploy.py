@@ -184,7 +184,10 @@ def _prepare_with_token(config: DeployConfig) -> PreparedModel:
     record_revision(snapshot, config.cache_dir)
     publish_fetch(results, wall_s, f"fetch-{slug}")
     downloaded = sum(r.downloaded for r in results)
-    logger.info("fetched %.2f GB in %.1f s (%.1f MB/s)", downloaded / GB, wall_s, downloaded / 1e6 / max(wall_s, 1e-9))
+    if downloaded:
+        logger.info("fetched %.2f GB in %.1f s (%.1f MB/s)", downloaded / GB, wall_s, downloaded / 1e6 / wall_s)
+    else:
+        logger.info("all %d files already in the cache at %s: nothing fetched", len(results), snapshot.commit[:12])
 
     model_dir = snapshot_dir(snapshot, config.cache_dir)
     report = validate_checkpoint_task(model_dir)

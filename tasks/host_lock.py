@@ -16,10 +16,9 @@ from contextlib import ExitStack, contextmanager
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.concurrency.sync import concurrency
-from prefect.exceptions import ObjectAlreadyExists
+from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
 from tasks.errors import HostBusyError
-
 
 LEASE_S = 60.0  # renewed while the deploy lives; a deploy killed with SIGKILL frees the host after this
 
@@ -30,8 +29,15 @@ def limit_name(host: str | None = None) -> str:
 
 
 def ensure_limit(name: str) -> None:
+    """Create the limit on first use. Read first: a create that collides is refused by the server
+    with an IntegrityError traceback in its log (the demo's output, on the embedded server)."""
     with get_client(sync_client=True) as client:
         try:
+            client.read_global_concurrency_limit_by_name(name)
+            return
+        except ObjectNotFound:
+            pass
+        try:  # two deploys starting at once may both find none
             client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
         except ObjectAlreadyExists:
             pass

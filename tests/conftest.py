@@ -15,7 +15,7 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 from flows.demo import build_demo_repos  # noqa: E402
-from flows.demo.hub_server import LocalHub  # noqa: E402
+from testkit.faulty_hub import FaultyHub  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -35,7 +35,7 @@ def hub_root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def local_hub(hub_root):
-    with LocalHub(hub_root) as hub:
+    with FaultyHub(hub_root) as hub:
         yield hub
 
 

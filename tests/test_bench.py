@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from flows.demo.openai_server import StreamingServer
+from testkit.openai_server import StreamingServer
 from tasks.bench import (
     BenchSpec,
     LevelRun,

@@ -27,7 +27,7 @@ def test_bad_deploy_options_name_the_option(args, expected, tmp_path):
 
 
 def test_bench_sweeps_any_openai_server_until_it_saturates(tmp_path):
-    from flows.demo.openai_server import StreamingServer
+    from testkit.openai_server import StreamingServer
 
     out = tmp_path / "results"
     with StreamingServer(ttft_s=0.03, itl_s=0.005, slots=4) as server:  # 4 slots: throughput stops at 4
@@ -53,7 +53,7 @@ def test_bench_sweeps_any_openai_server_until_it_saturates(tmp_path):
     ],
 )
 def test_bench_refuses_bad_input_in_one_line(args, code, expected, tmp_path):
-    from flows.demo.openai_server import StreamingServer
+    from testkit.openai_server import StreamingServer
 
     with StreamingServer() as server:
         result = runner.invoke(app, ["bench", "--base-url", server.base_url, *args, "--results-dir", str(tmp_path)])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,22 @@ def test_the_worker_image_is_vllms_openai_image_with_this_project_on_top():
     pull = _prefect_yaml()["pull"][0]["prefect.deployments.steps.set_working_directory"]["directory"]
     assert pull == "{{ $ROLLOUT_HOME }}"
     assert ("ENTRYPOINT", "[]") in steps  # the base image's `vllm serve` entrypoint is not the worker
+
+
+TEST_SUPPORT = ("class Fault", "FaultyHub", "StreamingServer", "write_sparse_kimi", "testkit")
+
+
+def test_neither_the_image_nor_the_installed_package_carries_test_support():
+    from setuptools import find_packages
+
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    packaged = [ROOT.joinpath(*package.split(".")) for package in find_packages(str(ROOT), include=include)]
+    copied = [ROOT / source for op, args in _instructions() if op == "COPY" for source in args.split()[:-1]]
+    assert packaged and not any("tests" in p.parts for p in packaged + copied)
+    for folder in {p for p in packaged + copied if p.is_dir()}:
+        for module in folder.glob("*.py"):
+            text = module.read_text()
+            assert not [name for name in TEST_SUPPORT if name in text], module
 
 
 def test_docker_compose_accepts_the_file():

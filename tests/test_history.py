@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from flows.cli import app
 from flows.compare import CompareConfig, compare_runs
-from flows.demo.openai_server import StreamingServer
+from testkit.openai_server import StreamingServer
 from tasks.bench import BenchSpec, run_level
 from tasks.errors import RegressionError
 from tasks.history import RunRecord, check_regression, publish_record, read_history, run_record

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from huggingface_hub.errors import HfHubHTTPError, Response
 
-from flows.demo.hub_server import Fault, LocalHub
+from testkit.faulty_hub import Fault, FaultyHub
 from tasks.errors import ChecksumError, DiskSpaceError, HubError
 from tasks.hub import (
     PART_SUFFIX,
@@ -55,7 +55,7 @@ def fetch_root(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def hub(fetch_root):
-    with LocalHub(fetch_root) as hub:
+    with FaultyHub(fetch_root) as hub:
         yield hub
 
 

@@ -19,7 +19,7 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFi
 
 from conftest import artifact
 from flows.demo import BF16_REPO, demo_config
-from flows.demo.hub_server import LocalHub
+from testkit.faulty_hub import FaultyHub
 from flows.deploy import prepare_model
 from tasks.disk import GB, inventory, measure
 from tasks.errors import DiskSpaceError
@@ -45,7 +45,7 @@ def _logs_of(client, run_id, wait_s: float = 20.0) -> list:
 def test_token_from_a_secret_block_reaches_the_hub_and_nowhere_else(hub_root, tmp_path, monkeypatch):
     monkeypatch.delenv("HF_TOKEN", raising=False)
     Secret(value=TOKEN).save("hf-token-test", overwrite=True)
-    with LocalHub(hub_root) as hub:
+    with FaultyHub(hub_root) as hub:
         hub.require_token = TOKEN
         config = demo_config(hub.endpoint, tmp_path / "models", hf_token_secret="hf-token-test")
         state = prepare_model(config, return_state=True)
@@ -122,7 +122,7 @@ def test_flow_killed_mid_download_resumes_on_the_next_run(hub_root, tmp_path):
     weights = source.stat().st_size
     part = models / "hub" / "models--demo--tiny-moe" / "blobs" / (hashlib.sha256(source.read_bytes()).hexdigest()
                                                                   + PART_SUFFIX)
-    with LocalHub(hub_root) as hub:
+    with FaultyHub(hub_root) as hub:
         hub.throttle_bps = 2 * 10**6  # the 6 MB weights take about 3 s
         env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
         child = subprocess.Popen([sys.executable, "-c", _PREPARE_IN_CHILD, hub.endpoint, str(models)], env=env)

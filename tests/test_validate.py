@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 from flows.cli import app
 from flows.demo import BF16_REPO, INT4_REPO
 from flows.demo.checkpoint import quantization_config
-from flows.demo.hub_server import LocalHub
-from flows.demo.sparse import write_sparse_kimi
+from testkit.faulty_hub import FaultyHub
+from testkit.sparse import write_sparse_kimi
 from tasks.errors import CheckpointError
 from tasks.validate import engine_names, match_name, validate_checkpoint, validate_remote
 
@@ -328,7 +328,7 @@ def test_hub_headers_by_range_requests_give_the_local_verdict(tmp_path, mutate):
         mutate(tensors)
     model = _split(tmp_path / "hub" / "org" / "kimi", tensors, SHARDS)
     local = validate_checkpoint(model)
-    with LocalHub(tmp_path / "hub") as hub:
+    with FaultyHub(tmp_path / "hub") as hub:
         remote = validate_remote("org/kimi", "main", hub.endpoint)
         sent = hub.file_bytes_sent
     assert remote.verdict == local.verdict
@@ -341,7 +341,7 @@ def test_hub_headers_by_range_requests_give_the_local_verdict(tmp_path, mutate):
 
 def test_cli_validates_a_repo_id_before_download(tmp_path):
     model = _split(tmp_path / "hub" / "org" / "kimi", kimi_like_tensors(), SHARDS)
-    with LocalHub(tmp_path / "hub") as hub:
+    with FaultyHub(tmp_path / "hub") as hub:
         remote = runner.invoke(app, ["validate", "org/kimi", "--endpoint", hub.endpoint, "--json"])
         missing = runner.invoke(app, ["validate", "org/absent", "--endpoint", hub.endpoint, "--json"])
     local = runner.invoke(app, ["validate", str(model), "--json"])

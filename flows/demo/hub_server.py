@@ -5,10 +5,8 @@ through HF_ENDPOINT, so the demo and the tests exercise the same download path a
 speaks the parts of the Hub protocol those calls use: /api/models/{repo}[/revision/{rev}] with
 blobs, and /{repo}/resolve/{rev}/{file} with HEAD, ETag, X-Repo-Commit and byte ranges.
 
-For the fetch tests it also misbehaves on request, the way networks and hubs do: `inject` queues
-faults for a file's next GETs (a status with Retry-After, a connection reset or a clean close
-mid-body, flipped bytes), `require_token` answers 401 without the token, `throttle_bps` slows
-the body, and `requests` logs what was asked, so a test can see that a retry resumed.
+It only serves. The tests' hub that misbehaves on request (faults, tokens, throttling, a request
+log) subclasses it among the tests, which are not installed.
 """
 
 from __future__ import annotations
@@ -16,12 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import socket
-import struct
 import threading
-import time
-from collections import defaultdict, deque
-from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -43,23 +36,6 @@ def _sha256(path: Path) -> str:
 def _git_blob_id(data: bytes) -> str:
     return hashlib.sha1(f"blob {len(data)}\0".encode() + data).hexdigest()
 
-
-@dataclass(frozen=True)
-class Fault:
-    """What one GET of a file gets instead of a clean answer."""
-
-    kind: str  # "status", "reset" (RST mid-body), "close" (clean close mid-body), "corrupt"
-    status: int = 500
-    retry_after: int | None = None
-    after_bytes: int = 0  # for reset, close and corrupt: where in the body it happens
-
-
-@dataclass(frozen=True)
-class Request:
-    method: str
-    path: str
-    range_start: int
-    status: int
 
 
 class LocalRepo:
@@ -95,20 +71,18 @@ class LocalHub:
         self.root = root
         self._repos: dict[str, LocalRepo] = {}
         self._lock = threading.Lock()
-        self.file_bytes_sent = 0  # file content served, so tests can tell range reads from downloads
-        self.bytes_sent_by_file: dict[str, int] = defaultdict(int)
-        self.requests: list[Request] = []
-        self.require_token: str | None = None
-        self.throttle_bps: float | None = None
-        self._faults: dict[str, deque[Fault]] = defaultdict(deque)
         hub = self
 
-        class Handler(_Handler):
+        class Handler(self.handler):
             local_hub = hub
 
         self.server = _QuietServer((host, port), Handler)
         self.server.daemon_threads = True
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def handler(self) -> type["HubHandler"]:
+        return HubHandler
 
     @property
     def endpoint(self) -> str:
@@ -123,19 +97,6 @@ class LocalHub:
             if repo_id not in self._repos:
                 self._repos[repo_id] = LocalRepo(repo_id, folder)
             return self._repos[repo_id]
-
-    def inject(self, rel: str, *faults: Fault) -> None:
-        """Queue faults for the next GETs of file `rel` (any repo), one per request."""
-        with self._lock:
-            self._faults[rel].extend(faults)
-
-    def next_fault(self, rel: str) -> Fault | None:
-        with self._lock:
-            return self._faults[rel].popleft() if self._faults[rel] else None
-
-    def log(self, request: Request) -> None:
-        with self._lock:
-            self.requests.append(request)
 
     def refresh(self) -> None:
         """Forget cached hashes after the repo folders changed (a new 'commit')."""
@@ -156,21 +117,20 @@ class _QuietServer(ThreadingHTTPServer):
         """A client that hangs up mid-body (a killed fetch) is routine here, not a traceback."""
 
 
-class _Handler(BaseHTTPRequestHandler):
+class HubHandler(BaseHTTPRequestHandler):
     local_hub: LocalHub
     protocol_version = "HTTP/1.1"
 
     def log_message(self, format: str, *args) -> None:  # keep demo and test output readable
         pass
 
-    def _error(self, status: int, code: str, message: str) -> None:
+    def _error(self, status: int, code: str, message: str, extra: dict[str, str] | None = None) -> None:
         body = json.dumps({"error": message}).encode()
         self.send_response(status)
         self.send_header("X-Error-Code", code)
         self.send_header("X-Error-Message", message)
-        if (retry_after := getattr(self, "_retry_after", None)) is not None:
-            self.send_header("Retry-After", str(retry_after))
-            self._retry_after = None
+        for name, value in (extra or {}).items():
+            self.send_header(name, value)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -204,10 +164,6 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _serve(self) -> None:
         path = unquote(urlsplit(self.path).path)
-        token = self.local_hub.require_token
-        if token and self.headers.get("Authorization") != f"Bearer {token}":
-            self._error(401, "", "Invalid credentials in Authorization header")
-            return
         if m := _API.match(path):
             repo = self._lookup(m["repo"], m["rev"])
             if repo:
@@ -230,37 +186,35 @@ class _Handler(BaseHTTPRequestHandler):
             return
         self._error(404, "NotFound", f"no route for {path}")
 
-    def _send_file(self, repo: LocalRepo, rel: str) -> None:
-        if rel not in repo.files:
-            self._error(404, "EntryNotFound", f"{rel} does not exist in {repo.repo_id}")
-            return
-        hub = self.local_hub
-        fault = hub.next_fault(rel) if self.command == "GET" else None
-        file_path = repo.folder / rel
-        size = repo.files[rel]["size"]
+    def _span(self, size: int) -> tuple[int, int, int]:
+        """(first byte, last byte, status) of what the Range header asks for; 200 with none."""
         start, end = 0, size - 1
-        status = 200
         if (rng := self.headers.get("Range")) and (m := re.match(r"bytes=(\d*)-(\d*)$", rng.strip())):
             if m[1]:
                 start = int(m[1])
                 end = min(int(m[2]), size - 1) if m[2] else size - 1
             else:  # suffix range: the last N bytes
                 start = max(size - int(m[2]), 0)
-            status = 206
-            if start >= size:
-                hub.log(Request(self.command, rel, start, 416))
-                self.send_response(416)
-                self.send_header("Content-Range", f"bytes */{size}")
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-                return
-        if fault and fault.kind == "status":
-            hub.log(Request(self.command, rel, start, fault.status))
-            if fault.retry_after is not None:
-                self._retry_after = fault.retry_after
-            self._error(fault.status, "", f"injected HTTP {fault.status}")
+            return start, end, 206
+        return start, end, 200
+
+    def _answered(self, rel: str, start: int, status: int) -> None:
+        """Called once per file request with what it got; the tests' hub logs it."""
+
+    def _send_file(self, repo: LocalRepo, rel: str) -> None:
+        if rel not in repo.files:
+            self._error(404, "EntryNotFound", f"{rel} does not exist in {repo.repo_id}")
             return
-        hub.log(Request(self.command, rel, start, status))
+        size = repo.files[rel]["size"]
+        start, end, status = self._span(size)
+        if start >= size and status == 206:
+            self._answered(rel, start, 416)
+            self.send_response(416)
+            self.send_header("Content-Range", f"bytes */{size}")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        self._answered(rel, start, status)
         self.send_response(status)
         self.send_header("X-Repo-Commit", repo.commit)
         self.send_header("ETag", f'"{repo.etag(rel)}"')
@@ -272,42 +226,15 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if self.command == "HEAD":
             return
-        cut = start + fault.after_bytes if fault and fault.kind in ("reset", "close") else None
-        flip = start + fault.after_bytes if fault and fault.kind == "corrupt" else None
-        step = 1 << 20 if hub.throttle_bps is None else max(int(hub.throttle_bps / 20), 1)
-        pos = start
-        with file_path.open("rb") as fh:
+        with (repo.folder / rel).open("rb") as fh:
             fh.seek(start)
-            while pos <= end:
-                want = min(step, end + 1 - pos, cut - pos if cut is not None else step)
-                chunk = fh.read(want) if want > 0 else b""
-                if flip is not None and pos <= flip < pos + len(chunk):
-                    chunk = bytearray(chunk)
-                    chunk[flip - pos] ^= 0xFF
-                    chunk = bytes(chunk)
-                if chunk:
-                    self.wfile.write(chunk)
-                    pos += len(chunk)
-                    with hub._lock:
-                        hub.file_bytes_sent += len(chunk)
-                        hub.bytes_sent_by_file[rel] += len(chunk)
-                if cut is not None and pos >= cut:
-                    self._cut(fault.kind)
-                    return
-                if not chunk:
-                    return
-                if hub.throttle_bps:
-                    time.sleep(len(chunk) / hub.throttle_bps)
+            self._write_body(fh, rel, start, end)
 
-    def _cut(self, kind: str) -> None:
-        """End the body early: "reset" sends a TCP RST, "close" a clean FIN (a truncated body)."""
-        self.wfile.flush()
-        if kind == "reset":
-            time.sleep(0.2)  # let the bytes sent so far arrive: an RST discards what the peer has not read
-            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        else:
-            self.connection.shutdown(socket.SHUT_WR)
-        self.close_connection = True
+    def _write_body(self, fh, rel: str, start: int, end: int) -> None:
+        pos = start
+        while pos <= end and (chunk := fh.read(min(1 << 20, end + 1 - pos))):
+            self.wfile.write(chunk)
+            pos += len(chunk)
 
 
 def main() -> None:

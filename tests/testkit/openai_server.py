@@ -140,7 +140,7 @@ class StreamingServer:
 
     def __enter__(self) -> "StreamingServer":
         """Serve from a child process: a server sharing the client's GIL would delay its timestamps."""
-        args = [sys.executable, "-m", "flows.demo.openai_server", "--port", self.base_url.rsplit(":", 1)[1],
+        args = [sys.executable, __file__, "--port", self.base_url.rsplit(":", 1)[1],
                 "--ttft-s", str(self.ttft_s), "--itl-s", str(self.itl_s), "--tokens-per-chunk",
                 str(self.tokens_per_chunk), "--events-per-write", str(self.events_per_write)]
         if self.slots:
