@@ -257,7 +257,8 @@ def bench(
     from pydantic import ValidationError
 
     from tasks.bench import BenchSpec, geometric_levels, level_prompts, run_level, sweep
-    from tasks.report import model_slug, save_results
+    from tasks.artifacts import model_slug
+    from tasks.report import save_results
 
     try:
         spec = BenchSpec(
@@ -317,7 +318,8 @@ def history(
     """
     import pandas as pd
 
-    from tasks.history import comparison, read_history
+    from tasks.artifacts import read_history
+    from tasks.history import comparison
 
     if not 0 <= threshold < 1:
         typer.echo(f"error: bad option --threshold {threshold}: a fraction in [0, 1)", err=True)

@@ -12,44 +12,48 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from prefect import flow, get_run_logger
-from prefect.runtime import flow_run
-from prefect.artifacts import create_markdown_artifact
-from prefect.blocks.system import Secret
-from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.futures import wait
+from prefect.runtime import flow_run
+from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import BaseModel, Field
 
-from tasks.bench import BenchSpec, bench_level, sweep
-from tasks.disk import GB, evict_task, plan_disk_task
-from tasks.errors import RegressionError, ValidationFailed, first_line
-from tasks.gpu import HardwarePlan, check_hardware_task, kv_cache_is_fp8, probe_gpus
+from tasks.artifacts import FetchProgress, model_slug, publish_fetch, publish_rollback
+from tasks.bench import BenchSpec, sweep
+from tasks.disk import GB
+from tasks.errors import RegressionError, first_line
+from tasks.gpu import HardwarePlan, kv_cache_is_fp8
+from tasks.history import RunRecord, check_regression, run_record
 from tasks.host_lock import host_lock
-from tasks.hub import (
-    FetchProgress,
-    fetch_file_task,
-    hub_token,
-    missing_bytes,
-    publish_fetch,
-    record_revision,
-    resolve_snapshot_task,
-    snapshot_dir,
-)
-from tasks.history import RunRecord, check_regression, publish_record, run_record
+from tasks.hub import missing_bytes, record_revision, snapshot_dir
 from tasks.records import LastGood, read_last_good, write_last_good
-from tasks.report import model_slug, publish_results
 from tasks.server import (
     ServerConfig,
     ServerHandle,
     VllmSettings,
-    publish_facts,
     reap_stale,
     served_model,
     serving_group,
-    start_and_wait,
     stop_server,
     warm_option_table,
 )
-from tasks.validate import ValidationReport, publish_report, validate_checkpoint_task, validate_remote_task
+from tasks.steps import (
+    bench_level,
+    check_gpus,
+    evict_models,
+    fetch,
+    hub_token,
+    plan_disk,
+    probe_gpus,
+    publish_record,
+    publish_results,
+    resolve_revision,
+    secret,
+    start_vllm,
+    stop_vllm,
+    validate_local,
+    validate_remote,
+)
+from tasks.validate import ValidationReport
 
 
 class DeployConfig(BaseModel):
@@ -106,34 +110,6 @@ class DeployResult(BaseModel):
     base_url: str | None = None  # where the new deployment serves; None when keep_serving was off
 
 
-def _validation_markdown(report: ValidationReport, title: str) -> str:
-    lines = [f"# {title}", "", f"**Verdict:** {report.verdict}", ""]
-    lines += [f"- {n}" for n in report.notes]
-    for label, items in (("Violations", report.violations), ("Warnings", report.warnings)):
-        if items:
-            lines += ["", f"## {label}", ""] + [f"- `{v.rule}` {v.module}: {v.message}" for v in items]
-    lines += ["", f"{report.files} file(s), {report.tensors} tensors, {report.modules_packed} packed modules; "
-              f"read {report.bytes_read:,} of {report.total_bytes:,} bytes"]
-    return "\n".join(lines)
-
-
-def _publish_validation(report: ValidationReport, repo_id: str, stage: str) -> None:
-    """Markdown verdict and per-role table; raises when the checkpoint fails."""
-    slug = model_slug(repo_id)
-    create_markdown_artifact(
-        key=f"validation-{stage}-{slug}",
-        markdown=_validation_markdown(report, f"Checkpoint validation of {repo_id} ({stage})"),
-        description=f"compressed-tensors layout check {stage}: {report.verdict}",
-    )
-    publish_report(report, f"validation-table-{stage}-{slug}")
-    if report.verdict == "fail":
-        first = report.violations[0]
-        raise ValidationFailed(
-            f"{report.source}: {len(report.violations)} violation(s) {stage}, first `{first.rule}` "
-            f"{first.module}: {first.message}"
-        )
-
-
 @flow(name="prepare-model")
 def prepare_model(config: DeployConfig) -> PreparedModel:
     """Pin the revision, make room, fetch every file in parallel, and check the checkpoint."""
@@ -150,31 +126,28 @@ def _prepare(config: DeployConfig) -> PreparedModel:
 
 def _prepare_with_token(config: DeployConfig) -> PreparedModel:
     logger = get_run_logger()
-    slug = model_slug(config.repo_id)
-    snapshot = resolve_snapshot_task(config.repo_id, config.revision, config.hub_endpoint)
+    snapshot = resolve_revision(config.repo_id, config.revision, config.hub_endpoint)
     logger.info("%s@%s is commit %s: %d files, %.2f GB", config.repo_id, config.revision, snapshot.commit,
                 len(snapshot.files), snapshot.total_bytes / GB)
-    # The same rules on the hub's headers first: a bad checkpoint costs seconds, not a download.
-    _publish_validation(validate_remote_task(snapshot, config.hub_endpoint), config.repo_id, "remote")
+    validate_remote(snapshot, config.hub_endpoint)
 
     needed = missing_bytes(snapshot, config.cache_dir)
     last_good = read_last_good(config.run_dir)
-    plan = plan_disk_task(config.models_root, needed, int(config.disk_margin_gb * GB),
-                          (snapshot.repo_id, snapshot.commit), served_model(config.run_dir / "server.json"),
-                          config.pinned_models, last_good.model_dir if last_good else None,
-                          f"disk-plan-{slug}", not config.evict)
+    plan = plan_disk(config.models_root, needed, int(config.disk_margin_gb * GB), (snapshot.repo_id, snapshot.commit),
+                     served_model(config.run_dir / "server.json"), config.pinned_models,
+                     last_good.model_dir if last_good else None, not config.evict)
     for warning in plan.warnings:
         logger.warning(warning)
     if plan.evictions:
-        evicted = evict_task(plan, config.models_root, f"disk-after-{slug}")
+        evicted = evict_models(plan, config.models_root, config.repo_id)
         logger.info("deleted %s: free %.2f -> %.2f GB", ", ".join(evicted.deleted),
                     evicted.free_before_bytes / GB, evicted.free_after_bytes / GB)
 
-    progress = FetchProgress(snapshot.total_bytes, snapshot.total_bytes - needed, f"fetch-progress-{slug}")
+    progress = FetchProgress(snapshot.total_bytes, snapshot.total_bytes - needed, config.repo_id)
     files = sorted(snapshot.files, key=lambda f: f.size)  # config and tokenizer first: cheap early failures
     started = time.perf_counter()
     with ThreadPoolTaskRunner(max_workers=config.max_parallel_downloads) as downloads:
-        futures = [downloads.submit(fetch_file_task, {"snapshot": snapshot, "file": f, "cache_dir": config.cache_dir,
+        futures = [downloads.submit(fetch, {"snapshot": snapshot, "file": f, "cache_dir": config.cache_dir,
                                                       "endpoint": config.hub_endpoint, "on_bytes": progress.add})
                    for f in files]
         wait(futures)
@@ -182,7 +155,7 @@ def _prepare_with_token(config: DeployConfig) -> PreparedModel:
     wall_s = time.perf_counter() - started
     progress.finish()
     record_revision(snapshot, config.cache_dir)
-    publish_fetch(results, wall_s, f"fetch-{slug}")
+    publish_fetch(results, wall_s, config.repo_id)
     downloaded = sum(r.downloaded for r in results)
     if downloaded:
         logger.info("fetched %.2f GB in %.1f s (%.1f MB/s)", downloaded / GB, wall_s, downloaded / 1e6 / wall_s)
@@ -190,8 +163,7 @@ def _prepare_with_token(config: DeployConfig) -> PreparedModel:
         logger.info("all %d files already in the cache at %s: nothing fetched", len(results), snapshot.commit[:12])
 
     model_dir = snapshot_dir(snapshot, config.cache_dir)
-    report = validate_checkpoint_task(model_dir)
-    _publish_validation(report, config.repo_id, "local")
+    report = validate_local(model_dir, config.repo_id)
     return PreparedModel(repo_id=config.repo_id, commit=snapshot.commit, model_dir=model_dir,
                          total_bytes=snapshot.total_bytes, validation=report)
 
@@ -226,28 +198,24 @@ def _serving(handle: ServerHandle, config: ServerConfig) -> ServerConfig:
     return config.model_copy(update={"port": int(handle.base_url.rsplit(":", 1)[1])})
 
 
-def _restore(previous: LastGood, run_dir: Path, startup_timeout_s: float, reason: BaseException, slug: str) -> None:
+def _restore(previous: LastGood, run_dir: Path, startup_timeout_s: float, reason: BaseException,
+             repo_id: str) -> None:
     """Start the last good deployment again and say why in an artifact; the new deploy's error stands."""
     logger = get_run_logger()
     what = f"{previous.repo_id}@{previous.commit[:12]}"
-    title = f"# Rolled back to {what}\n\n**Why:** the new deployment failed after the old server was stopped: " \
-            f"`{first_line(reason)}`\n\n"
     logger.warning("new deployment failed (%s); restarting the last good one, %s", first_line(reason), what)
-    api_key = Secret.load(previous.api_key_secret).get() if previous.api_key_secret else None
     try:
-        handle = start_and_wait(previous.server, run_dir, startup_timeout_s, f"server-failure-{slug}-rollback",
-                                api_key)
+        handle, _ = start_vllm.with_options(task_run_name="restart last good")(
+            previous.server, run_dir, startup_timeout_s, previous.api_key_secret, repo_id, "-rollback")
     except Exception as err:
-        create_markdown_artifact(key=f"rollback-{slug}", markdown=title + (
-            f"**Rollback failed:** `{first_line(err)}`. Nothing serves on this host now."),
-            description=f"rollback to {what} failed")
+        publish_rollback(repo_id, what, reason,
+                         f"**Rollback failed:** `{first_line(err)}`. Nothing serves on this host now.")
         logger.error("rollback to %s failed: %s", what, first_line(err))
         return
     write_last_good(run_dir, previous.model_copy(update={"serving_pgid": handle.pgid}))
-    create_markdown_artifact(key=f"rollback-{slug}", markdown=title + (
+    publish_rollback(repo_id, what, reason, (
         f"**Serving again:** `{previous.server.served_model_name}` ({what}) at {handle.base_url}, "
-        f"ready in {handle.startup_s:.0f} s.\n\n```\n{' '.join(handle.command)}\n```\n"),
-        description=f"rolled back to {what}")
+        f"ready in {handle.startup_s:.0f} s.\n\n```\n{' '.join(handle.command)}\n```\n"))
     logger.warning("rolled back: %s serves again at %s", what, handle.base_url)
 
 
@@ -265,14 +233,13 @@ def _deploy(config: DeployConfig) -> DeployResult:
         prepared = _prepare(config)
         gpu = probe_gpus()
         logger.info("platform %s: %s", gpu.platform, ", ".join(g.name for g in gpu.gpus) or gpu.reason)
-        slug = model_slug(config.repo_id)
         plan = HardwarePlan(
             tensor_parallel_size=config.vllm.tensor_parallel_size,
             weights_bytes=prepared.validation.total_bytes,
             kv_cache_fp8=kv_cache_is_fp8(prepared.validation.kv_cache_scheme, config.vllm.kv_cache_dtype),
             gpu_memory_utilization=config.vllm.gpu_memory_utilization or 0.9,  # vLLM's default
         )
-        for warning in check_hardware_task(gpu, plan, f"hardware-{slug}"):
+        for warning in check_gpus(gpu, plan, config.repo_id):
             logger.warning("%s: %s", warning.rule, warning.message)
 
         env = {"VLLM_ENGINE_READY_TIMEOUT_S": str(int(config.startup_timeout_s))}
@@ -292,16 +259,14 @@ def _deploy(config: DeployConfig) -> DeployResult:
         if warming is not None and warming.poll() is None:
             warming.kill()
             warming.wait()
-    api_key = Secret.load(config.api_key_secret).get() if config.api_key_secret else None
     if previous is not None:  # the GPUs hold one model at a time: from here a failure restores this one
         reap_stale(state_file)
         logger.info("stopped the serving %s@%s to start the new deployment", previous.repo_id, previous.commit[:12])
     try:
-        handle, record, rows = _serve_and_bench(config, prepared, gpu, server_cfg, api_key, slug,
-                                                previous or last_good)
+        handle, record, rows = _serve_and_bench(config, prepared, gpu, server_cfg, previous or last_good)
     except Exception as err:
         if previous is not None:
-            _restore(previous, config.run_dir, config.startup_timeout_s, err, slug)
+            _restore(previous, config.run_dir, config.startup_timeout_s, err, config.repo_id)
         raise
     write_last_good(config.run_dir, LastGood(
         repo_id=prepared.repo_id, commit=prepared.commit, model_dir=prepared.model_dir, revision=config.revision,
@@ -312,16 +277,17 @@ def _deploy(config: DeployConfig) -> DeployResult:
 
 
 def _serve_and_bench(config: DeployConfig, prepared: PreparedModel, gpu, server_cfg: ServerConfig,
-                     api_key: str | None, slug: str, last_good: LastGood | None
-                     ) -> tuple[ServerHandle, RunRecord, list[dict]]:
+                     last_good: LastGood | None) -> tuple[ServerHandle, RunRecord, list[dict]]:
     """Start, smoke-test (wait_ready generates a token), sweep, record; a regression raises."""
     logger = get_run_logger()
-    handle = start_and_wait(server_cfg, config.run_dir, config.startup_timeout_s, f"server-failure-{slug}", api_key)
+    handle, server = start_vllm(server_cfg, config.run_dir, config.startup_timeout_s, config.api_key_secret,
+                                config.repo_id)
+    api_key = secret(config.api_key_secret)
     try:
         logger.info("vLLM ready at %s after %.0f s", handle.base_url, handle.startup_s)
-        server = publish_facts(handle, handle.startup_s, f"server-{slug}")
         spec = config.bench
-        results_dir = config.run_dir / "bench" / slug / datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        started = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        results_dir = config.run_dir / "bench" / model_slug(config.repo_id) / started
         vocab = _vocab_size(prepared.model_dir)
         stops: list[str] = []
         rows = sweep(spec, lambda c: bench_level(handle.base_url, server_cfg.served_model_name, spec, c, vocab,
@@ -354,8 +320,8 @@ def _serve_and_bench(config: DeployConfig, prepared: PreparedModel, gpu, server_
         if record.status == "regressed":
             raise RegressionError(f"{config.repo_id}@{prepared.commit[:12]} {record.note}")
     except BaseException:
-        stop_server(handle)
+        stop_server(handle)  # not a task: on cancellation the run may create no more task runs
         raise
     if not config.keep_serving:
-        stop_server(handle)
+        stop_vllm(handle)
     return handle, record, rows

@@ -32,8 +32,6 @@ import httpx
 import numpy as np
 import orjson
 from openai import APIStatusError, AsyncOpenAI, DefaultAioHttpClient
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, Field, field_validator
 
@@ -543,9 +541,3 @@ def knee(rows: list[dict]) -> dict | None:
     """The level of best output throughput among those within the SLO (all, when none was given)."""
     eligible = [r for r in rows if r.get("within_slo") is not False and r["completed"] > 0]
     return max(eligible, key=lambda r: r["output_throughput"]) if eligible else None
-
-
-@task(name="bench-level", task_run_name="bench c={concurrency}", tags=["bench"], cache_policy=NO_CACHE)
-def bench_level(base_url: str, model: str, spec: BenchSpec, concurrency: int, vocab_size: int | None,
-                tokenizer: Path | None, api_key: str | None = None, results_dir: Path | None = None) -> dict:
-    return run_level(base_url, model, spec, concurrency, vocab_size, tokenizer, api_key, results_dir)

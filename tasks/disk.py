@@ -16,8 +16,6 @@ from pathlib import Path
 from typing import Literal
 
 from huggingface_hub import scan_cache_dir
-from prefect import task
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from pydantic import BaseModel
 
 from tasks.errors import DiskSpaceError
@@ -189,7 +187,7 @@ def plan_space(models_root: Path, needed_bytes: int, margin_bytes: int, target: 
                     warnings=warnings)
 
 
-def _plan_summary(plan: DiskPlan) -> str:
+def plan_summary(plan: DiskPlan) -> str:
     return (f"needs {plan.needed_bytes / GB:.2f} GB + {plan.margin_bytes / GB:.2f} GB margin, "
             f"{plan.free_bytes / GB:.2f} GB free on {plan.filesystem}")
 
@@ -197,10 +195,10 @@ def _plan_summary(plan: DiskPlan) -> str:
 def check_plan(plan: DiskPlan, dry_run: bool) -> None:
     """Refuse before anything is deleted or downloaded when the plan cannot make the model fit."""
     if not plan.fits:
-        raise DiskSpaceError(f"model will not fit: {_plan_summary(plan)}; {plan.warnings[-1]}")
+        raise DiskSpaceError(f"model will not fit: {plan_summary(plan)}; {plan.warnings[-1]}")
     if dry_run and plan.evictions:
         names = ", ".join(e.model.name for e in plan.evictions)
-        raise DiskSpaceError(f"dry run: {_plan_summary(plan)}; the plan deletes {names} "
+        raise DiskSpaceError(f"dry run: {plan_summary(plan)}; the plan deletes {names} "
                              f"({plan.freed_bytes / GB:.2f} GB): set evict=true to delete them")
 
 
@@ -239,45 +237,4 @@ def evict(plan: DiskPlan, models_root: Path, tolerance_bytes: int = 64 * 2**20) 
     if result.free_after_bytes < plan.needed_bytes + plan.margin_bytes:
         raise DiskSpaceError(f"after deleting, {result.free_after_bytes / GB:.2f} GB free on {plan.filesystem}, "
                              f"the model needs {(plan.needed_bytes + plan.margin_bytes) / GB:.2f} GB")
-    return result
-
-
-def publish_plan(plan: DiskPlan, key: str, dry_run: bool) -> None:
-    """The plan as a table and a markdown verdict, so a UI redeploy shows what it would delete."""
-    create_table_artifact(key=f"{key}-table", table=[
-        {"model": e.model.name, "kind": e.model.kind, "GB": round(e.model.bytes / GB, 3), "action": e.action,
-         "reason": e.reason, "last_used": round(e.model.last_used)} for e in plan.entries
-    ], description=f"disk plan: {len(plan.evictions)} to evict")
-    lines = ["# Disk plan", "", f"- Filesystem {plan.filesystem}: {plan.free_bytes / GB:.2f} GB free of "
-             f"{plan.total_bytes / GB:.2f} GB (statvfs)",
-             f"- New model needs {plan.needed_bytes / GB:.2f} GB + {plan.margin_bytes / GB:.2f} GB margin",
-             f"- Shortfall {plan.shortfall_bytes / GB:.2f} GB; evictions free {plan.freed_bytes / GB:.2f} GB",
-             f"- Verdict: {'fits' if plan.fits else 'DOES NOT FIT'}"
-             + (" (dry run: nothing is deleted)" if dry_run and plan.evictions else "")]
-    lines += ["", "## Warnings", ""] + [f"- **{w}**" for w in plan.warnings] if plan.warnings else []
-    create_markdown_artifact(key=key, markdown="\n".join(lines), description=_plan_summary(plan))
-
-
-def publish_eviction(result: EvictionResult, key: str) -> None:
-    create_markdown_artifact(key=key, markdown="\n".join([
-        "# Disk after eviction", "",
-        f"- Deleted: {', '.join(result.deleted) or 'nothing'}",
-        f"- Free before {result.free_before_bytes / GB:.2f} GB, after {result.free_after_bytes / GB:.2f} GB (statvfs)",
-        f"- Freed: measured {result.measured_freed_bytes / GB:.2f} GB, planned {result.expected_freed_bytes / GB:.2f} GB",
-    ]), description="measured free space before and after deleting")
-
-
-@task(name="plan-disk", tags=["disk"])
-def plan_disk_task(models_root: Path, needed_bytes: int, margin_bytes: int, target: tuple[str, str],
-                   served: Path | None, pinned: list[str], fallback: Path | None, key: str, dry_run: bool) -> DiskPlan:
-    plan = plan_space(models_root, needed_bytes, margin_bytes, target, served, pinned, fallback)
-    publish_plan(plan, key, dry_run)
-    check_plan(plan, dry_run)
-    return plan
-
-
-@task(name="evict-models", tags=["disk"])
-def evict_task(plan: DiskPlan, models_root: Path, key: str) -> EvictionResult:
-    result = evict(plan, models_root)
-    publish_eviction(result, key)
     return result

@@ -10,10 +10,6 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Literal
 
-from prefect import task
-from prefect.artifacts import create_markdown_artifact
-
-from tasks.errors import GpuConfigError
 from tasks.validate import Violation
 
 
@@ -137,25 +133,3 @@ def kv_cache_is_fp8(kv_cache_scheme: dict | None, kv_cache_dtype: str) -> bool:
     if kv_cache_dtype.startswith("fp8"):
         return True
     return bool(kv_cache_scheme) and kv_cache_scheme.get("type") == "float" and kv_cache_scheme.get("num_bits") == 8
-
-
-@task(name="probe-gpus", tags=["gpu"])
-def probe_gpus() -> GpuProbe:
-    return probe()
-
-
-@task(name="check-hardware", tags=["gpu"])
-def check_hardware_task(gpu: GpuProbe, plan: HardwarePlan, artifact_key: str) -> list[Violation]:
-    """Publish the verdict; raise on a blocking problem so nothing is started on a box that cannot serve."""
-    blocking, warnings = check_hardware(gpu, plan), hardware_warnings(gpu, plan)
-    gpus = ", ".join(f"{g.name} (cc {g.compute_capability[0]}.{g.compute_capability[1]}, "
-                     f"{g.memory_total_bytes / 1e9:.0f} GB)" for g in gpu.gpus) or f"none ({gpu.reason})"
-    lines = [f"# Hardware check: {'fail' if blocking else 'pass'}", "", f"- **GPUs:** {gpus}",
-             f"- **Interconnect:** {gpu.interconnect}", f"- **Driver:** {gpu.driver}",
-             f"- **Plan:** TP={plan.tensor_parallel_size}, {plan.weights_bytes / 1e9:.1f} GB weights, "
-             f"FP8 KV {'yes' if plan.kv_cache_fp8 else 'no'}, gpu_memory_utilization {plan.gpu_memory_utilization}"]
-    lines += [f"- `{v.rule}` {v.message}" for v in blocking + warnings]
-    create_markdown_artifact(key=artifact_key, markdown="\n".join(lines), description="GPU and config check")
-    if blocking:
-        raise GpuConfigError(f"{blocking[0].rule}: {blocking[0].message}")
-    return warnings

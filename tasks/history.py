@@ -8,21 +8,14 @@ report to, and what an engineer sees in the UI is what `rollout history` prints.
 
 from __future__ import annotations
 
-import json
 import socket
 from datetime import datetime, timezone
 
 import pandas as pd
-from prefect import task
-from prefect.artifacts import create_table_artifact
-from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
 from tasks.bench import knee
-from tasks.report import model_slug
 
-KEY_PREFIX = "history-"
-PAGE = 200  # the API's default page limit
 
 # Columns of the comparison table, in print order.
 COLUMNS = ["time", "model", "revision", "single_stream_tok_s", "peak_tok_s", "knee_concurrency", "p99_ttft_ms",
@@ -102,36 +95,6 @@ def check_regression(previous: RunRecord | None, current: RunRecord, threshold: 
     note = f"regressed beyond {threshold:.0%} against {previous.commit[:12]} ({previous.time:%Y-%m-%d %H:%M}): " \
            + "; ".join(found)
     return current.model_copy(update={"status": "regressed", "note": note})
-
-
-@task(name="publish-history-record", tags=["report"], cache_policy=NO_CACHE)
-def publish_record(record: RunRecord) -> RunRecord:
-    create_table_artifact(key=KEY_PREFIX + model_slug(record.model), table=[record.model_dump(mode="json")],
-                          description=f"{record.model}@{record.commit[:12]}: {record.status}")
-    return record
-
-
-def read_history(model: str | None = None) -> list[RunRecord]:
-    """Every record the Prefect API holds, oldest first; one model's when `model` is given."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, ArtifactFilterType
-    from prefect.client.schemas.sorting import ArtifactSort
-
-    key = ArtifactFilterKey(any_=[KEY_PREFIX + model_slug(model)]) if model else ArtifactFilterKey(like_=KEY_PREFIX)
-    wanted = ArtifactFilter(key=key, type=ArtifactFilterType(any_=["table"]))
-    seen: dict = {}  # by artifact id: a record published while we page shifts later pages by one
-    with get_client(sync_client=True) as client:
-        offset = 0
-        while True:
-            page = client.read_artifacts(artifact_filter=wanted, sort=ArtifactSort.CREATED_DESC, limit=PAGE,
-                                         offset=offset)
-            for artifact in page:
-                if artifact.key and artifact.key.startswith(KEY_PREFIX):  # like_ matches anywhere in the key
-                    data = json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
-                    seen[artifact.id] = [RunRecord.model_validate(row) for row in data]
-            if len(page) < PAGE:
-                return sorted((r for rows in seen.values() for r in rows), key=lambda r: r.time)
-            offset += PAGE
 
 
 def comparison(records: list[RunRecord], threshold: float | None = 0.1) -> pd.DataFrame:

@@ -15,7 +15,6 @@ import contextlib
 import errno
 import hashlib
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -34,11 +33,6 @@ from huggingface_hub.errors import (
 from huggingface_hub import constants
 from huggingface_hub.file_download import repo_folder_name
 from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_stream_backoff
-from prefect import task
-from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
-from prefect.cache_policies import NO_CACHE
-from prefect.blocks.system import Secret
-from prefect.tasks import exponential_backoff
 
 from tasks.errors import ChecksumError, DiskSpaceError, HubError, HubUnreachable, IncompleteDownload
 
@@ -120,27 +114,6 @@ def check_filename(path: str) -> str:
     if not path or pure.is_absolute() or ".." in pure.parts or "\\" in path or path.startswith("~"):
         raise HubError(f"hub file name {path!r} is unsafe: it would land outside the model directory")
     return path
-
-
-@contextlib.contextmanager
-def hub_token(secret_block: str | None) -> Iterator[None]:
-    """The token from a Prefect Secret block, where huggingface_hub looks for it (HF_TOKEN).
-
-    Through the environment, not as an argument: task parameters, logs and artifacts never hold it.
-    Without a block, HF_TOKEN or the stored login applies as usual.
-    """
-    if not secret_block:
-        yield
-        return
-    before = os.environ.get("HF_TOKEN")
-    os.environ["HF_TOKEN"] = Secret.load(secret_block).get()
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("HF_TOKEN", None)
-        else:
-            os.environ["HF_TOKEN"] = before
 
 
 def _access_error(exc: HfHubHTTPError, what: str) -> HubError | None:
@@ -374,73 +347,3 @@ def is_transient(exc: BaseException) -> bool:
         return status in (408, 429) or status >= 500
     # The HTTP client's own errors (huggingface_hub's HTTPError base) are transport faults here.
     return isinstance(exc, (ChecksumError, IncompleteDownload, HTTPError, ConnectionError, TimeoutError))
-
-
-def _retry_transient(task, task_run, state) -> bool:
-    return is_transient(state.result(raise_on_failure=False))
-
-
-@task(name="resolve-revision", retries=3, retry_delay_seconds=[2, 10, 30], retry_condition_fn=_retry_transient)
-def resolve_snapshot_task(repo_id: str, revision: str, endpoint: str | None = None) -> RepoSnapshot:
-    return resolve_snapshot(repo_id, revision, endpoint)
-
-
-@task(
-    name="fetch-file",
-    task_run_name="fetch {file.path}",
-    tags=["hub-download"],
-    retries=5,
-    retry_delay_seconds=exponential_backoff(backoff_factor=2),  # 2, 4, 8, 16, 32 s; each try resumes
-    retry_jitter_factor=0.5,
-    retry_condition_fn=_retry_transient,
-    cache_policy=NO_CACHE,  # the HF cache is the cache; a progress callback is not hashable anyway
-)
-def fetch_file_task(snapshot: RepoSnapshot, file: RepoFile, cache_dir: Path, endpoint: str | None = None,
-                    on_bytes: Callable[[int], None] = lambda n: None) -> FetchResult:
-    return fetch_file(snapshot, file, cache_dir, endpoint, on_bytes)
-
-
-class FetchProgress:
-    """Bytes done over the whole model as one Prefect progress artifact, fed by every fetch thread.
-
-    Updates are throttled (one API call a second at most): 64 shards streaming 10 MB chunks would
-    otherwise spend more time telling the server than downloading.
-    """
-
-    def __init__(self, total_bytes: int, done_bytes: int, key: str, every_s: float = 1.0):
-        self.total = max(total_bytes, 1)
-        self.done = done_bytes
-        self._every = every_s
-        self._last = 0.0
-        self._lock = threading.Lock()
-        self.artifact_id = create_progress_artifact(progress=self.percent, key=key,
-                                                    description=f"bytes fetched of {total_bytes:,}")
-
-    @property
-    def percent(self) -> float:
-        return round(100.0 * self.done / self.total, 2)
-
-    def add(self, n: int) -> None:
-        with self._lock:
-            self.done += n
-            now = time.monotonic()
-            if now - self._last < self._every:
-                return
-            self._last = now
-        update_progress_artifact(self.artifact_id, self.percent)
-
-    def finish(self) -> None:
-        update_progress_artifact(self.artifact_id, self.percent)
-
-
-def publish_fetch(results: list[FetchResult], wall_s: float, key: str) -> None:
-    """Per-file and overall MB/s, so a slow link or a slow shard shows in the run's history."""
-    downloaded = sum(r.downloaded for r in results)
-    rows = [{"file": r.path, "MB": round(r.size / 1e6, 3), "downloaded_MB": round(r.downloaded / 1e6, 3),
-             "resumed_from_MB": round(r.resumed_from / 1e6, 3), "seconds": round(r.seconds, 3),
-             "MB_per_s": round(r.mb_per_s, 1)} for r in results]
-    rows.append({"file": "(all, wall clock)", "MB": round(sum(r.size for r in results) / 1e6, 3),
-                 "downloaded_MB": round(downloaded / 1e6, 3),
-                 "resumed_from_MB": round(sum(r.resumed_from for r in results) / 1e6, 3),
-                 "seconds": round(wall_s, 3), "MB_per_s": round(downloaded / 1e6 / wall_s, 1) if wall_s > 0 else 0.0})
-    create_table_artifact(key=key, table=rows, description=f"{downloaded / 1e6:,.1f} MB downloaded in {wall_s:.1f} s")

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import math
-import re
 from pathlib import Path
 
 import pandas as pd
-from prefect import task
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from tasks.bench import knee
 
@@ -18,22 +14,8 @@ SUMMARY_COLUMNS = [
 ]
 
 
-def model_slug(repo_id: str) -> str:
-    """Artifact keys allow lowercase letters, digits and dashes only."""
-    return re.sub(r"-+", "-", re.sub(r"[^a-z0-9]+", "-", repo_id.lower())).strip("-")
-
-
 def bench_table(rows: list[dict]) -> pd.DataFrame:
     return pd.DataFrame(rows).sort_values("concurrency").reset_index(drop=True)
-
-
-def json_value(value):
-    """Artifacts are JSON: numpy scalars and NaN are not."""
-    if hasattr(value, "item"):
-        value = value.item()
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    return value
 
 
 def write_chart(df: pd.DataFrame, path: Path, title: str) -> Path:
@@ -94,18 +76,3 @@ def save_results(rows: list[dict], results_dir: Path, title: str, facts: dict[st
     markdown = summary_markdown(df, title, facts, stop, chart)
     (results_dir / "summary.md").write_text(markdown + "\n")
     return df, markdown
-
-
-@task(name="publish-results", tags=["report"])
-def publish_results(rows: list[dict], repo_id: str, facts: dict[str, str], results_dir: Path,
-                    stop: str | None) -> pd.DataFrame:
-    df, markdown = save_results(rows, results_dir, f"Benchmark of {repo_id}", facts, stop)
-    slug = model_slug(repo_id)
-    create_table_artifact(
-        key=f"bench-{slug}",
-        table=[{k: json_value(v) for k, v in row.items()} for row in df.to_dict(orient="records")],
-        description=f"Concurrency sweep of {repo_id}",
-    )
-    create_markdown_artifact(key=f"bench-summary-{slug}", markdown=markdown,
-                             description=f"Benchmark summary of {repo_id}")
-    return df

@@ -20,9 +20,6 @@ from pathlib import Path
 from typing import Callable
 
 import httpx
-from prefect import get_run_logger, task
-from prefect.cache_policies import NO_CACHE
-from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, Field
 
 from tasks.errors import ServerStartError
@@ -375,44 +372,26 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
-def publish_failure(err: ServerStartError, key: str) -> None:
-    create_markdown_artifact(
-        key=key,
-        markdown=f"# vLLM failed to start\n\n**Cause:** `{err.cause}`\n\n{err}\n\n```\n{err.log_tail}\n```\n",
-        description=f"vLLM start-up failure: {err.cause}",
-    )
+def start_and_wait(cfg: ServerConfig, run_dir: Path, timeout_s: float, api_key: str | None = None,
+                   report: Callable[[str], None] = lambda line: None) -> ServerHandle:
+    """Start vLLM and block until it serves (a real token included); on any failure the group is
+    stopped before the error goes on, its log tail in the ServerStartError."""
+    reap_stale(run_dir / "server.json")
+    handle = start_server(cfg, run_dir, api_key)
+    try:
+        handle.startup_s = wait_ready(handle, cfg.served_model_name, timeout_s, report=report)
+    except BaseException:
+        stop_server(handle)
+        raise
+    return handle
 
 
-@task(name="start-vllm", tags=["vllm"], cache_policy=NO_CACHE)
-def publish_facts(handle: ServerHandle, startup_s: float, key: str) -> dict[str, str]:
-    """The serving facts a run is compared by later: version, command, KV cache, start-up phases."""
+def running_facts(handle: ServerHandle) -> dict[str, str]:
+    """What a run is compared by later: vLLM's version (asked of the server), start-up time, and the
+    KV cache and phases its log reports."""
     try:
         version = httpx.get(f"{handle.base_url}/version", timeout=10).json().get("version", "unknown")
     except (httpx.HTTPError, ValueError):
         version = "unknown"
-    facts = {"vllm_version": version, "startup_s": f"{startup_s:.1f}",
-             **server_facts(handle.log_path.read_text(errors="replace"))}
-    lines = ["# vLLM server", ""] + [f"- **{k}:** {v}" for k, v in facts.items()]
-    lines += ["", "```", " ".join(handle.command), "```"]
-    create_markdown_artifact(key=key, markdown="\n".join(lines), description=f"vLLM {version} ready in {startup_s:.0f} s")
-    return facts
-
-
-def start_and_wait(cfg: ServerConfig, run_dir: Path, timeout_s: float, artifact_key: str,
-                   api_key: str | None = None) -> ServerHandle:
-    """Start vLLM and block until it serves; on failure stop the group and keep the log tail."""
-    logger = get_run_logger()
-    reap_stale(run_dir / "server.json")
-    try:
-        handle = start_server(cfg, run_dir, api_key)
-    except ServerStartError as err:
-        publish_failure(err, artifact_key)
-        raise
-    try:
-        handle.startup_s = wait_ready(handle, cfg.served_model_name, timeout_s, report=logger.info)
-    except BaseException as err:
-        stop_server(handle)
-        if isinstance(err, ServerStartError):
-            publish_failure(err, artifact_key)
-        raise
-    return handle
+    return {"vllm_version": version, "startup_s": f"{handle.startup_s:.1f}",
+            **server_facts(handle.log_path.read_text(errors="replace"))}

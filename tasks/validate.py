@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from prefect import task
-from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tasks.checkpoint import CheckpointView, local_view, remote_view
@@ -163,8 +161,6 @@ def engine_names(name: str) -> list[str]:
     if leaf in _PART_TO_FUSED:
         names += [f"{n.rpartition('.')[0]}.{_PART_TO_FUSED[leaf]}" for n in list(names)]
     return names
-
-
 
 
 def parse_quant_config(raw: dict, source: str) -> CompressedTensorsConfig:
@@ -472,26 +468,11 @@ def validate_checkpoint(model_dir: Path) -> ValidationReport:
         return validate(local_view(model_dir))
 
 
+def validate_snapshot(snapshot: RepoSnapshot, endpoint: str | None = None) -> ValidationReport:
+    """The hub's copy of a resolved snapshot, from its headers (range requests), before any download."""
+    with _gc_paused():
+        return validate(remote_view(snapshot, endpoint))
+
+
 def validate_remote(repo_id: str, revision: str = "main", endpoint: str | None = None) -> ValidationReport:
-    snapshot = resolve_snapshot(repo_id, revision, endpoint)
-    with _gc_paused():
-        return validate(remote_view(snapshot, endpoint))
-
-
-def publish_report(report: ValidationReport, key: str) -> None:
-    """The per-role table (count, dtype, bytes) and the violations, as one Prefect table artifact."""
-    rows = [dict(row, rule="", message="") for row in report.summary]
-    rows += [{"role": "violation", "storage": "", "dtype": "", "modules": 1, "bytes": 0, "rule": v.rule,
-              "message": f"{v.module}: {v.message}"} for v in report.violations]
-    create_table_artifact(key=key, table=rows, description=f"{report.source}: {report.verdict}")
-
-
-@task(name="validate-checkpoint", tags=["validate"])
-def validate_checkpoint_task(model_dir: Path) -> ValidationReport:
-    return validate_checkpoint(model_dir)
-
-
-@task(name="validate-remote", tags=["validate"], retries=2, retry_delay_seconds=[5, 30])
-def validate_remote_task(snapshot: RepoSnapshot, endpoint: str | None = None) -> ValidationReport:
-    with _gc_paused():
-        return validate(remote_view(snapshot, endpoint))
+    return validate_snapshot(resolve_snapshot(repo_id, revision, endpoint), endpoint)

@@ -90,8 +90,14 @@ def test_demo_deploys_benchmarks_and_publishes(tmp_path):
         inputs = {i.input_type for t in tasks for values in t.task_inputs.values() for i in values}
         assert inputs <= UI_INPUT_TYPES, inputs
     names = {t.name for t in _task_runs(artifact("bench-demo-tiny-moe").flow_run_id)}
-    for step in ("resolve-revision", "validate-remote", "plan-disk", "validate-checkpoint", "probe-gpus", "bench c=1"):
+    for step in ("resolve-revision", "validate-remote", "plan-disk", "validate-checkpoint", "probe-gpus", "bench c=1",
+                 "start-vllm", "stop-vllm"):
         assert any(n.startswith(step) for n in names), (step, names)  # the prepare steps run in the deploy's run
+    # The start-vllm task is the load: its duration in the UI is the server's start-up time.
+    start = [t for t in _task_runs(artifact("bench-demo-tiny-moe").flow_run_id) if t.name.startswith("start-vllm")]
+    load_s = float(server.split("**startup_s:** ")[1].split()[0])
+    assert len(start) == 1 and load_s <= start[0].total_run_time.total_seconds() <= load_s * 1.2 + 2, (
+        start[0].total_run_time, load_s)
 
 
 def test_unknown_flag_is_refused_before_launch_naming_it(local_hub, tmp_path):

@@ -15,7 +15,9 @@ from flows.compare import CompareConfig, compare_runs
 from testkit.openai_server import StreamingServer
 from tasks.bench import BenchSpec, run_level
 from tasks.errors import RegressionError
-from tasks.history import RunRecord, check_regression, publish_record, read_history, run_record
+from tasks.artifacts import read_history
+from tasks.history import RunRecord, check_regression, run_record
+from tasks.steps import publish_record
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 SPEC = BenchSpec(concurrency_levels=[1, 4], requests_per_level=4, input_len=16, output_len=16)

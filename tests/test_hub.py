@@ -27,12 +27,12 @@ from tasks.hub import (
     RepoSnapshot,
     check_filename,
     fetch_file,
-    fetch_file_task,
     is_transient,
     missing_bytes,
     resolve_snapshot,
     snapshot_dir,
 )
+from tasks.steps import fetch
 
 REPO = "org/sharded"
 SHARD = 2 * 2**20
@@ -128,7 +128,7 @@ def test_corrupted_bytes_are_deleted_and_fetched_again_by_the_task_retry(prefect
     assert is_transient(info.value)
     assert not list(cache.rglob(f"*{PART_SUFFIX}")) and not (snapshot_dir(snap, cache) / shard.path).exists()
     hub.inject(shard.path, Fault("corrupt", after_bytes=99))
-    result = fetch_file_task.with_options(retry_delay_seconds=0.1, retry_jitter_factor=None)(
+    result = fetch.with_options(retry_delay_seconds=0.1, retry_jitter_factor=None)(
         snap, shard, cache, hub.endpoint)
     assert result.downloaded == SHARD
     assert_complete_or_absent(snap, cache, fetch_root / REPO)
@@ -140,7 +140,7 @@ def test_server_errors_are_retried_by_the_task_and_keep_the_partial_bytes(prefec
     shard = _shard(snap)
     cache = tmp_path / "hub"
     hub.inject(shard.path, Fault("status", status=500), Fault("status", status=503))
-    result = fetch_file_task.with_options(retry_delay_seconds=0.1, retry_jitter_factor=None)(
+    result = fetch.with_options(retry_delay_seconds=0.1, retry_jitter_factor=None)(
         snap, shard, cache, hub.endpoint)
     assert [r.status for r in hub.requests if r.path == shard.path] == [500, 503, 200]
     assert result.downloaded == SHARD

@@ -78,8 +78,7 @@ def test_deploy_names_an_unreachable_hub_before_anything_starts(dead_endpoint, t
 def test_nightly_says_hub_unreachable_in_its_artifact(tmp_path, monkeypatch):
     endpoint = f"http://127.0.0.1:{_closed_port()}"
     # The task's own retries (2, 10, 30 s) are for a hub outage; this test needs only the last answer.
-    monkeypatch.setattr(flows.nightly, "resolve_snapshot_task", flows.nightly.resolve_snapshot_task.with_options(
-        retries=0))
+    monkeypatch.setattr(flows.nightly, "resolve_revision", flows.nightly.resolve_revision.with_options(retries=0))
     with pytest.raises(HubUnreachable, match=f"^Hub unreachable at {endpoint}: connection refused"):
         nightly_refresh(demo_config(endpoint, tmp_path / "models"))
     text = artifact("nightly-demo-tiny-moe").data

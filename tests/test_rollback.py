@@ -10,7 +10,7 @@ from flows.demo import BF16_REPO, demo_config
 from flows.deploy import deploy_model
 from flows.nightly import nightly_refresh
 from tasks.errors import RegressionError
-from tasks.history import read_history
+from tasks.artifacts import read_history
 from tasks.records import read_last_good, write_last_good
 from tasks.server import reap_stale, serving_group
 

@@ -1,0 +1,266 @@
+"""Every Prefect artifact the flows publish, and the history read back from them: one home for the
+keys and the renderers, so what the UI shows is written once.
+
+Keys are `<what>-<model slug>` (Prefect allows lowercase letters, digits and dashes only) and
+Prefect keeps every version of a key, so a model's runs line up under the same keys in the UI.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import threading
+import time
+from pathlib import Path
+
+import pandas as pd
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+
+from tasks.disk import GB, DiskPlan, EvictionResult, plan_summary
+from tasks.errors import ServerStartError, first_line
+from tasks.gpu import GpuProbe, HardwarePlan
+from tasks.history import RunRecord
+from tasks.hub import FetchResult
+from tasks.validate import ValidationReport, Violation
+
+HISTORY = "history-"
+PAGE = 200  # the API's default page limit
+
+
+def model_slug(repo_id: str) -> str:
+    """Artifact keys allow lowercase letters, digits and dashes only."""
+    return re.sub(r"-+", "-", re.sub(r"[^a-z0-9]+", "-", repo_id.lower())).strip("-")
+
+
+def json_value(value):
+    """Artifacts are JSON: numpy scalars and NaN are not."""
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    return value
+
+
+# Disk
+def publish_disk_plan(plan: DiskPlan, repo_id: str, dry_run: bool) -> None:
+    """The plan as a table and a markdown verdict, so a UI redeploy shows what it would delete."""
+    key = f"disk-plan-{model_slug(repo_id)}"
+    create_table_artifact(key=f"{key}-table", table=[
+        {"model": e.model.name, "kind": e.model.kind, "GB": round(e.model.bytes / GB, 3), "action": e.action,
+         "reason": e.reason, "last_used": round(e.model.last_used)} for e in plan.entries
+    ], description=f"disk plan: {len(plan.evictions)} to evict")
+    lines = ["# Disk plan", "", f"- Filesystem {plan.filesystem}: {plan.free_bytes / GB:.2f} GB free of "
+             f"{plan.total_bytes / GB:.2f} GB (statvfs)",
+             f"- New model needs {plan.needed_bytes / GB:.2f} GB + {plan.margin_bytes / GB:.2f} GB margin",
+             f"- Shortfall {plan.shortfall_bytes / GB:.2f} GB; evictions free {plan.freed_bytes / GB:.2f} GB",
+             f"- Verdict: {'fits' if plan.fits else 'DOES NOT FIT'}"
+             + (" (dry run: nothing is deleted)" if dry_run and plan.evictions else "")]
+    lines += ["", "## Warnings", ""] + [f"- **{w}**" for w in plan.warnings] if plan.warnings else []
+    create_markdown_artifact(key=key, markdown="\n".join(lines), description=plan_summary(plan))
+
+
+def publish_eviction(result: EvictionResult, repo_id: str) -> None:
+    create_markdown_artifact(key=f"disk-after-{model_slug(repo_id)}", markdown="\n".join([
+        "# Disk after eviction", "",
+        f"- Deleted: {', '.join(result.deleted) or 'nothing'}",
+        f"- Free before {result.free_before_bytes / GB:.2f} GB, after {result.free_after_bytes / GB:.2f} GB (statvfs)",
+        f"- Freed: measured {result.measured_freed_bytes / GB:.2f} GB, planned {result.expected_freed_bytes / GB:.2f} GB",
+    ]), description="measured free space before and after deleting")
+
+
+# Fetch
+class FetchProgress:
+    """Bytes done over the whole model as one Prefect progress artifact, fed by every fetch thread.
+
+    Updates are throttled (one API call a second at most): 64 shards streaming 10 MB chunks would
+    otherwise spend more time telling the server than downloading.
+    """
+
+    def __init__(self, total_bytes: int, done_bytes: int, repo_id: str, every_s: float = 1.0):
+        self.total = max(total_bytes, 1)
+        self.done = done_bytes
+        self._every = every_s
+        self._last = 0.0
+        self._lock = threading.Lock()
+        self.artifact_id = create_progress_artifact(progress=self.percent, key=f"fetch-progress-{model_slug(repo_id)}",
+                                                    description=f"bytes fetched of {total_bytes:,}")
+
+    @property
+    def percent(self) -> float:
+        return round(100.0 * self.done / self.total, 2)
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.done += n
+            now = time.monotonic()
+            if now - self._last < self._every:
+                return
+            self._last = now
+        update_progress_artifact(self.artifact_id, self.percent)
+
+    def finish(self) -> None:
+        update_progress_artifact(self.artifact_id, self.percent)
+
+
+def publish_fetch(results: list[FetchResult], wall_s: float, repo_id: str) -> None:
+    """Per-file and overall MB/s, so a slow link or a slow shard shows in the run's history."""
+    downloaded = sum(r.downloaded for r in results)
+    rows = [{"file": r.path, "MB": round(r.size / 1e6, 3), "downloaded_MB": round(r.downloaded / 1e6, 3),
+             "resumed_from_MB": round(r.resumed_from / 1e6, 3), "seconds": round(r.seconds, 3),
+             "MB_per_s": round(r.mb_per_s, 1)} for r in results]
+    rows.append({"file": "(all, wall clock)", "MB": round(sum(r.size for r in results) / 1e6, 3),
+                 "downloaded_MB": round(downloaded / 1e6, 3),
+                 "resumed_from_MB": round(sum(r.resumed_from for r in results) / 1e6, 3),
+                 "seconds": round(wall_s, 3), "MB_per_s": round(downloaded / 1e6 / wall_s, 1) if wall_s > 0 else 0.0})
+    create_table_artifact(key=f"fetch-{model_slug(repo_id)}", table=rows,
+                          description=f"{downloaded / 1e6:,.1f} MB downloaded in {wall_s:.1f} s")
+
+
+# Validation
+def publish_validation(report: ValidationReport, repo_id: str, stage: str) -> None:
+    """The verdict in markdown, and the per-role table (count, dtype, bytes) with the violations."""
+    slug = model_slug(repo_id)
+    lines = [f"# Checkpoint validation of {repo_id} ({stage})", "", f"**Verdict:** {report.verdict}", ""]
+    lines += [f"- {n}" for n in report.notes]
+    for label, items in (("Violations", report.violations), ("Warnings", report.warnings)):
+        if items:
+            lines += ["", f"## {label}", ""] + [f"- `{v.rule}` {v.module}: {v.message}" for v in items]
+    lines += ["", f"{report.files} file(s), {report.tensors} tensors, {report.modules_packed} packed modules; "
+              f"read {report.bytes_read:,} of {report.total_bytes:,} bytes"]
+    create_markdown_artifact(key=f"validation-{stage}-{slug}", markdown="\n".join(lines),
+                             description=f"compressed-tensors layout check {stage}: {report.verdict}")
+    rows = [dict(row, rule="", message="") for row in report.summary]
+    rows += [{"role": "violation", "storage": "", "dtype": "", "modules": 1, "bytes": 0, "rule": v.rule,
+              "message": f"{v.module}: {v.message}"} for v in report.violations]
+    create_table_artifact(key=f"validation-table-{stage}-{slug}", table=rows,
+                          description=f"{report.source}: {report.verdict}")
+
+
+# GPUs and vLLM
+def publish_hardware(gpu: GpuProbe, plan: HardwarePlan, findings: list[Violation], passed: bool,
+                     repo_id: str) -> None:
+    gpus = ", ".join(f"{g.name} (cc {g.compute_capability[0]}.{g.compute_capability[1]}, "
+                     f"{g.memory_total_bytes / 1e9:.0f} GB)" for g in gpu.gpus) or f"none ({gpu.reason})"
+    lines = [f"# Hardware check: {'pass' if passed else 'fail'}", "", f"- **GPUs:** {gpus}",
+             f"- **Interconnect:** {gpu.interconnect}", f"- **Driver:** {gpu.driver}",
+             f"- **Plan:** TP={plan.tensor_parallel_size}, {plan.weights_bytes / 1e9:.1f} GB weights, "
+             f"FP8 KV {'yes' if plan.kv_cache_fp8 else 'no'}, gpu_memory_utilization {plan.gpu_memory_utilization}"]
+    lines += [f"- `{v.rule}` {v.message}" for v in findings]
+    create_markdown_artifact(key=f"hardware-{model_slug(repo_id)}", markdown="\n".join(lines),
+                             description="GPU and config check")
+
+
+def publish_server_failure(err: ServerStartError, repo_id: str, suffix: str = "") -> None:
+    create_markdown_artifact(
+        key=f"server-failure-{model_slug(repo_id)}{suffix}",
+        markdown=f"# vLLM failed to start\n\n**Cause:** `{err.cause}`\n\n{err}\n\n```\n{err.log_tail}\n```\n",
+        description=f"vLLM start-up failure: {err.cause}",
+    )
+
+
+def publish_server(facts: dict[str, str], command: list[str], repo_id: str) -> None:
+    """The serving facts a run is compared by later: version, command, KV cache, start-up phases."""
+    lines = ["# vLLM server", ""] + [f"- **{k}:** {v}" for k, v in facts.items()]
+    lines += ["", "```", " ".join(command), "```"]
+    create_markdown_artifact(key=f"server-{model_slug(repo_id)}", markdown="\n".join(lines),
+                             description=f"vLLM {facts['vllm_version']} ready in {float(facts['startup_s']):.0f} s")
+
+
+def publish_rollback(repo_id: str, restored: str, reason: BaseException, outcome: str) -> None:
+    """Why the last good deployment was started again, and what serves now (or that nothing does)."""
+    create_markdown_artifact(key=f"rollback-{model_slug(repo_id)}", markdown=(
+        f"# Rolled back to {restored}\n\n**Why:** the new deployment failed after the old server was stopped: "
+        f"`{first_line(reason)}`\n\n{outcome}"), description=f"rollback to {restored}")
+
+
+# Benchmark and history
+def publish_bench(df: pd.DataFrame, markdown: str, repo_id: str) -> None:
+    slug = model_slug(repo_id)
+    create_table_artifact(
+        key=f"bench-{slug}",
+        table=[{k: json_value(v) for k, v in row.items()} for row in df.to_dict(orient="records")],
+        description=f"Concurrency sweep of {repo_id}",
+    )
+    create_markdown_artifact(key=f"bench-summary-{slug}", markdown=markdown,
+                             description=f"Benchmark summary of {repo_id}")
+
+
+def publish_history_record(record: RunRecord) -> None:
+    """One row per benchmarked run; the versions of `history-<model>` are the model's history."""
+    create_table_artifact(key=HISTORY + model_slug(record.model), table=[record.model_dump(mode="json")],
+                          description=f"{record.model}@{record.commit[:12]}: {record.status}")
+
+
+def read_history(model: str | None = None) -> list[RunRecord]:
+    """Every record the Prefect API holds, oldest first; one model's when `model` is given.
+
+    Through the Prefect client, page by page, so it works against any server the flows report to,
+    and what an engineer sees in the UI is what `rollout history` prints.
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, ArtifactFilterType
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    key = ArtifactFilterKey(any_=[HISTORY + model_slug(model)]) if model else ArtifactFilterKey(like_=HISTORY)
+    wanted = ArtifactFilter(key=key, type=ArtifactFilterType(any_=["table"]))
+    seen: dict = {}  # by artifact id: a record published while we page shifts later pages by one
+    with get_client(sync_client=True) as client:
+        offset = 0
+        while True:
+            page = client.read_artifacts(artifact_filter=wanted, sort=ArtifactSort.CREATED_DESC, limit=PAGE,
+                                         offset=offset)
+            for artifact in page:
+                if artifact.key and artifact.key.startswith(HISTORY):  # like_ matches anywhere in the key
+                    data = json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
+                    seen[artifact.id] = [RunRecord.model_validate(row) for row in data]
+            if len(page) < PAGE:
+                return sorted((r for rows in seen.values() for r in rows), key=lambda r: r.time)
+            offset += PAGE
+
+
+def publish_comparison(table: pd.DataFrame, threshold: float) -> list[dict]:
+    """The history table (`run-comparison`) and its summary with the regressed models named."""
+    rows = [{k: json_value(v) for k, v in row.items()} for row in table.to_dict(orient="records")]
+    models = table["model"].nunique()
+    create_table_artifact(key="run-comparison", table=rows, description=f"{len(rows)} runs of {models} model(s)")
+    newest = table.groupby("model").tail(1)
+    regressed = newest[newest["regression"] != ""]
+    lines = ["# Run comparison", "", f"{len(rows)} runs of {models} model(s); regression "
+             f"threshold {threshold:.0%} against each model's previous good run.", ""]
+    lines += [f"- **Regressed:** {r.model} at {r.revision}: {r.regression}" for r in regressed.itertuples()]
+    lines += ["", table.drop(columns=["regression"]).to_markdown(index=False)]
+    create_markdown_artifact(key="run-comparison-summary", markdown="\n".join(lines))
+    return rows
+
+
+# The nightly
+def _publish_nightly(repo_id: str, revision: str, body: str) -> None:
+    create_markdown_artifact(key=f"nightly-{model_slug(repo_id)}",
+                             markdown=f"# Nightly refresh of {repo_id}@{revision}\n\n{body}")
+
+
+def publish_nightly_unreachable(repo_id: str, revision: str, err: BaseException) -> None:
+    _publish_nightly(repo_id, revision, f"**Hub unreachable:** {err}\n\nNothing was downloaded or restarted; "
+                                        "what served keeps serving.")
+
+
+def publish_nightly_no_change(repo_id: str, revision: str, commit: str, model_dir: Path) -> None:
+    _publish_nightly(repo_id, revision, f"**No change:** `{revision}` is still commit `{commit}`, the last good "
+                                        f"deployment on this host (`{model_dir}`). Nothing downloaded, nothing "
+                                        "restarted.")
+
+
+def publish_nightly_deployed(repo_id: str, revision: str, commit: str, was: str) -> None:
+    _publish_nightly(repo_id, revision, f"**Deployed:** commit `{commit}` (last good before: {was}).")
+
+
+def publish_nightly_failed(repo_id: str, revision: str, commit: str, err: BaseException, serving: str | None) -> None:
+    _publish_nightly(repo_id, revision, f"**Failed:** commit `{commit}` did not deploy: `{first_line(err)}`.\n\n"
+                     + (f"**Serving:** the last good deployment, `{serving}`." if serving
+                        else "**Serving:** nothing on this host."))

@@ -1,0 +1,177 @@
+"""The Prefect task layer: each step is one domain call with its name, retries, cache policy and
+tags, and the artifact it publishes. Flows call these; the domain modules never import Prefect
+(an import-linter contract in pyproject.toml holds them to it)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pandas as pd
+from prefect import get_run_logger, task
+from prefect.blocks.system import Secret
+from prefect.cache_policies import NO_CACHE
+from prefect.tasks import exponential_backoff
+
+from tasks import artifacts
+from tasks.bench import BenchSpec, run_level
+from tasks.disk import DiskPlan, EvictionResult, check_plan, evict, plan_space
+from tasks.errors import GpuConfigError, ServerStartError, ValidationFailed
+from tasks.gpu import GpuProbe, HardwarePlan, check_hardware, hardware_warnings, probe
+from tasks.history import RunRecord
+from tasks.hub import FetchResult, RepoFile, RepoSnapshot, fetch_file, is_transient, resolve_snapshot
+from tasks.report import save_results
+from tasks.server import ServerConfig, ServerHandle, running_facts, start_and_wait, stop_server
+from tasks.validate import ValidationReport, Violation, validate_checkpoint, validate_snapshot
+
+
+def secret(block: str | None) -> str | None:
+    """A Prefect Secret block's value, read where it is used: never a parameter, log or artifact."""
+    return Secret.load(block).get() if block else None
+
+
+@contextlib.contextmanager
+def hub_token(secret_block: str | None) -> Iterator[None]:
+    """The token from a Prefect Secret block, where huggingface_hub looks for it (HF_TOKEN).
+
+    Through the environment, not as an argument: task parameters, logs and artifacts never hold it.
+    Without a block, HF_TOKEN or the stored login applies as usual.
+    """
+    if not secret_block:
+        yield
+        return
+    before = os.environ.get("HF_TOKEN")
+    os.environ["HF_TOKEN"] = secret(secret_block)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("HF_TOKEN", None)
+        else:
+            os.environ["HF_TOKEN"] = before
+
+
+def _retry_transient(task, task_run, state) -> bool:
+    return is_transient(state.result(raise_on_failure=False))
+
+
+# Hub
+@task(name="resolve-revision", retries=3, retry_delay_seconds=[2, 10, 30], retry_condition_fn=_retry_transient)
+def resolve_revision(repo_id: str, revision: str, endpoint: str | None = None) -> RepoSnapshot:
+    return resolve_snapshot(repo_id, revision, endpoint)
+
+
+@task(
+    name="fetch-file",
+    task_run_name="fetch {file.path}",
+    tags=["hub-download"],
+    retries=5,
+    retry_delay_seconds=exponential_backoff(backoff_factor=2),  # 2, 4, 8, 16, 32 s; each try resumes
+    retry_jitter_factor=0.5,
+    retry_condition_fn=_retry_transient,
+    cache_policy=NO_CACHE,  # the HF cache is the cache; a progress callback is not hashable anyway
+)
+def fetch(snapshot: RepoSnapshot, file: RepoFile, cache_dir: Path, endpoint: str | None = None,
+          on_bytes: Callable[[int], None] = lambda n: None) -> FetchResult:
+    return fetch_file(snapshot, file, cache_dir, endpoint, on_bytes)
+
+
+# Validation
+def _require_pass(report: ValidationReport, stage: str) -> ValidationReport:
+    if report.verdict == "fail":
+        first = report.violations[0]
+        raise ValidationFailed(f"{report.source}: {len(report.violations)} violation(s) {stage}, first "
+                               f"`{first.rule}` {first.module}: {first.message}")
+    return report
+
+
+@task(name="validate-remote", tags=["validate"], retries=2, retry_delay_seconds=[5, 30],
+      retry_condition_fn=_retry_transient)
+def validate_remote(snapshot: RepoSnapshot, endpoint: str | None) -> ValidationReport:
+    """The same rules on the hub's headers first: a bad checkpoint costs seconds, not a download."""
+    report = validate_snapshot(snapshot, endpoint)
+    artifacts.publish_validation(report, snapshot.repo_id, "remote")
+    return _require_pass(report, "remote")
+
+
+@task(name="validate-checkpoint", tags=["validate"])
+def validate_local(model_dir: Path, repo_id: str) -> ValidationReport:
+    report = validate_checkpoint(model_dir)
+    artifacts.publish_validation(report, repo_id, "local")
+    return _require_pass(report, "local")
+
+
+# Disk
+@task(name="plan-disk", tags=["disk"])
+def plan_disk(models_root: Path, needed_bytes: int, margin_bytes: int, target: tuple[str, str],
+              served: Path | None, pinned: list[str], fallback: Path | None, dry_run: bool) -> DiskPlan:
+    plan = plan_space(models_root, needed_bytes, margin_bytes, target, served, pinned, fallback)
+    artifacts.publish_disk_plan(plan, target[0], dry_run)
+    check_plan(plan, dry_run)
+    return plan
+
+
+@task(name="evict-models", tags=["disk"])
+def evict_models(plan: DiskPlan, models_root: Path, repo_id: str) -> EvictionResult:
+    result = evict(plan, models_root)
+    artifacts.publish_eviction(result, repo_id)
+    return result
+
+
+# GPUs and vLLM
+@task(name="probe-gpus", tags=["gpu"])
+def probe_gpus() -> GpuProbe:
+    return probe()
+
+
+@task(name="check-hardware", tags=["gpu"])
+def check_gpus(gpu: GpuProbe, plan: HardwarePlan, repo_id: str) -> list[Violation]:
+    """Publish the verdict; raise on a blocking problem so nothing is started on a box that cannot serve."""
+    blocking, warnings = check_hardware(gpu, plan), hardware_warnings(gpu, plan)
+    artifacts.publish_hardware(gpu, plan, blocking + warnings, not blocking, repo_id)
+    if blocking:
+        raise GpuConfigError(f"{blocking[0].rule}: {blocking[0].message}")
+    return warnings
+
+
+@task(name="start-vllm", tags=["vllm"], cache_policy=NO_CACHE)
+def start_vllm(cfg: ServerConfig, run_dir: Path, timeout_s: float, api_key_secret: str | None,
+               repo_id: str, failure_suffix: str = "") -> tuple[ServerHandle, dict[str, str]]:
+    """Launch and wait until vLLM serves a real token (5-15 minutes for a 1T model); the task's
+    duration is the load. Its start-up log goes to the Prefect log as it comes."""
+    try:
+        handle = start_and_wait(cfg, run_dir, timeout_s, secret(api_key_secret), report=get_run_logger().info)
+    except ServerStartError as err:
+        artifacts.publish_server_failure(err, repo_id, failure_suffix)
+        raise
+    facts = running_facts(handle)
+    artifacts.publish_server(facts, handle.command, repo_id)
+    return handle, facts
+
+
+@task(name="stop-vllm", tags=["vllm"], cache_policy=NO_CACHE)
+def stop_vllm(handle: ServerHandle) -> None:
+    stop_server(handle)
+
+
+# Benchmark and history
+@task(name="bench-level", task_run_name="bench c={concurrency}", tags=["bench"], cache_policy=NO_CACHE)
+def bench_level(base_url: str, model: str, spec: BenchSpec, concurrency: int, vocab_size: int | None,
+                tokenizer: Path | None, api_key: str | None = None, results_dir: Path | None = None) -> dict:
+    return run_level(base_url, model, spec, concurrency, vocab_size, tokenizer, api_key, results_dir)
+
+
+@task(name="publish-results", tags=["report"])
+def publish_results(rows: list[dict], repo_id: str, facts: dict[str, str], results_dir: Path,
+                    stop: str | None) -> pd.DataFrame:
+    df, markdown = save_results(rows, results_dir, f"Benchmark of {repo_id}", facts, stop)
+    artifacts.publish_bench(df, markdown, repo_id)
+    return df
+
+
+@task(name="publish-history-record", tags=["report"], cache_policy=NO_CACHE)
+def publish_record(record: RunRecord) -> RunRecord:
+    artifacts.publish_history_record(record)
+    return record
