@@ -27,6 +27,11 @@ Concurrency = Annotated[str, typer.Option(help="Comma-separated levels, swept un
 RequestsPerLevel = Annotated[int, typer.Option(help="Requests per level (at least the level's concurrency)")]
 InputLen = Annotated[int, typer.Option(help="Prompt tokens per request")]
 OutputLen = Annotated[int, typer.Option(help="Output tokens per request (exact: ignore_eos)")]
+RepoId = Annotated[str, typer.Argument(help="Hub repo, e.g. moonshotai/Kimi-K2.5")]
+Endpoint = Annotated[Optional[str], typer.Option(help="Hub URL; default HF_ENDPOINT or huggingface.co")]
+Evict = Annotated[bool, typer.Option("--evict/--dry-run", help="Delete what the disk plan lists, or only plan")]
+Pin = Annotated[Optional[list[str]], typer.Option(help="Model never evicted (repo id, repo@commit, folder)")]
+HfTokenSecret = Annotated[Optional[str], typer.Option(help="Prefect Secret block with the HF token")]
 
 
 def _levels(text: str) -> list[int]:
@@ -128,13 +133,13 @@ def validate(
 
 @app.command()
 def prepare(
-    repo_id: Annotated[str, typer.Argument(help="Hub repo, e.g. moonshotai/Kimi-K2.5")],
+    repo_id: RepoId,
     revision: str = "main",
-    endpoint: Annotated[Optional[str], typer.Option(help="Hub URL; default HF_ENDPOINT or huggingface.co")] = None,
+    endpoint: Endpoint = None,
     models_root: Path = Path("/models"),
-    evict: Annotated[bool, typer.Option("--evict/--dry-run", help="Delete what the disk plan lists, or only plan")] = False,
-    pin: Annotated[Optional[list[str]], typer.Option(help="Model never evicted (repo id, repo@commit, folder)")] = None,
-    hf_token_secret: Annotated[Optional[str], typer.Option(help="Prefect Secret block with the HF token")] = None,
+    evict: Evict = False,
+    pin: Pin = None,
+    hf_token_secret: HfTokenSecret = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the prepared model as JSON")] = False,
 ) -> None:
     """Stage a model without touching the GPUs: resolve, disk plan, fetch, validate (prepare-model).
@@ -168,9 +173,9 @@ def prepare(
 
 @app.command()
 def deploy(
-    repo_id: Annotated[str, typer.Argument(help="Hub repo, e.g. moonshotai/Kimi-K2.5")],
+    repo_id: RepoId,
     revision: str = "main",
-    endpoint: Annotated[Optional[str], typer.Option(help="Hub URL; default HF_ENDPOINT or huggingface.co")] = None,
+    endpoint: Endpoint = None,
     models_root: Path = Path("/models"),
     tp: Annotated[int, typer.Option("--tp", help="Tensor parallel size")] = 1,
     expert_parallel: Annotated[bool, typer.Option("--ep/--no-ep", help="Expert parallelism")] = True,
@@ -181,9 +186,9 @@ def deploy(
     input_len: InputLen = 1024,
     output_len: OutputLen = 256,
     vllm_arg: Annotated[Optional[list[str]], typer.Option(help="Extra vLLM flag, repeatable")] = None,
-    evict: Annotated[bool, typer.Option("--evict/--dry-run", help="Delete what the disk plan lists, or only plan")] = False,
-    pin: Annotated[Optional[list[str]], typer.Option(help="Model never evicted (repo id, repo@commit, folder)")] = None,
-    hf_token_secret: Annotated[Optional[str], typer.Option(help="Prefect Secret block with the HF token")] = None,
+    evict: Evict = False,
+    pin: Pin = None,
+    hf_token_secret: HfTokenSecret = None,
     keep_serving: Annotated[bool, typer.Option("--keep-serving/--stop-after-bench",
                                                help="Leave the new server serving, or stop it after the benchmark")
                             ] = True,
