@@ -148,7 +148,8 @@ def prepare(
     """
     from pydantic import ValidationError
 
-    from flows.deploy import DeployConfig, prepare_model
+    from flows.deploy import prepare_model
+    from tasks.deployment import DeployConfig
     from tasks.hub import resolve_snapshot
 
     _exit_on_sigterm()
@@ -202,7 +203,8 @@ def deploy(
     """
     from pydantic import ValidationError
 
-    from flows.deploy import DeployConfig, deploy_model
+    from flows.deploy import deploy_model
+    from tasks.deployment import DeployConfig
     from tasks.bench import BenchSpec
     from tasks.hub import resolve_snapshot
     from tasks.server import VllmSettings

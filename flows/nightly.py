@@ -8,16 +8,16 @@ commit, deploy_model runs pinned to that commit, so what was checked is what get
 # No `from __future__ import annotations`: Prefect builds the parameter form from real annotations.
 from prefect import flow, get_run_logger
 
-from flows.deploy import DeployConfig, deploy_model
+from flows.deploy import deploy_model
 from tasks.artifacts import (
     publish_nightly_deployed,
     publish_nightly_failed,
     publish_nightly_no_change,
     publish_nightly_unreachable,
 )
+from tasks.deployment import DeployConfig
 from tasks.errors import HubUnreachable
-from tasks.records import read_last_good
-from tasks.server import serving_group
+from tasks.records import read_last_good, serving_deployment
 from tasks.steps import hub_token, resolve_revision
 
 
@@ -42,11 +42,9 @@ def nightly_refresh(config: DeployConfig) -> str:
     try:
         deploy_model(config.model_copy(update={"revision": snapshot.commit}))
     except Exception as err:
-        now = read_last_good(config.run_dir)
-        serving = now is not None and now.serving_pgid is not None and \
-            serving_group(config.run_dir / "server.json") == now.serving_pgid
+        serving = serving_deployment(config.run_dir)
         publish_nightly_failed(config.repo_id, config.revision, snapshot.commit, err,
-                               f"{now.repo_id}@{now.commit}" if serving else None)
+                               f"{serving.repo_id}@{serving.commit}" if serving else None)
         raise
     publish_nightly_deployed(config.repo_id, config.revision, snapshot.commit, was)
     return "deployed"

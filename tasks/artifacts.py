@@ -209,7 +209,10 @@ def read_history(model: str | None = None) -> list[RunRecord]:
 
     key = ArtifactFilterKey(any_=[HISTORY + model_slug(model)]) if model else ArtifactFilterKey(like_=HISTORY)
     wanted = ArtifactFilter(key=key, type=ArtifactFilterType(any_=["table"]))
-    seen: dict = {}  # by artifact id: a record published while we page shifts later pages by one
+    # Keyed by what the record is, not by artifact id: a record published while we page shifts later
+    # pages by one, and a create the client retried (the server stored the first try but timed out
+    # answering, as SQLite under load does) stores the same record twice.
+    seen: dict[tuple, RunRecord] = {}
     with get_client(sync_client=True) as client:
         offset = 0
         while True:
@@ -218,9 +221,10 @@ def read_history(model: str | None = None) -> list[RunRecord]:
             for artifact in page:
                 if artifact.key and artifact.key.startswith(HISTORY):  # like_ matches anywhere in the key
                     data = json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
-                    seen[artifact.id] = [RunRecord.model_validate(row) for row in data]
+                    for record in (RunRecord.model_validate(row) for row in data):
+                        seen[(record.model, record.commit, record.time, record.host)] = record
             if len(page) < PAGE:
-                return sorted((r for rows in seen.values() for r in rows), key=lambda r: r.time)
+                return sorted(seen.values(), key=lambda r: r.time)
             offset += PAGE
 
 

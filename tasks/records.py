@@ -8,7 +8,7 @@ from pathlib import Path
 from pydantic import BaseModel, ValidationError
 
 from tasks.history import RunRecord
-from tasks.server import ServerConfig
+from tasks.server import ServerConfig, serving_group
 
 
 class LastGood(BaseModel):
@@ -39,3 +39,14 @@ def write_last_good(run_dir: Path, record: LastGood) -> None:
     tmp = last_good_file(run_dir).with_suffix(".tmp")
     tmp.write_text(record.model_dump_json(indent=2))
     tmp.replace(last_good_file(run_dir))
+
+
+def serving_deployment(run_dir: Path) -> LastGood | None:
+    """The host's last good deployment when its server is the one running now: it keeps serving
+    while a new model downloads, and a failed swap restores it. None when nothing of it runs."""
+    last = read_last_good(run_dir)
+    current = serving_group(run_dir / "server.json")
+    if last is None or last.server is None or current is None or last.serving_pgid != current:
+        return None
+    return last
+

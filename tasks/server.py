@@ -7,6 +7,7 @@ a state file under the models root lets a later run reap a server that a crashed
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -17,7 +18,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import httpx
 from pydantic import BaseModel, Field
@@ -118,6 +119,23 @@ def warm_option_table(cache_dir: Path) -> subprocess.Popen | None:
         return None
     return subprocess.Popen([sys.executable, "-m", "tasks.vllm_args", str(cache_dir / f"vllm-args-{version}.json")],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+
+
+@contextlib.contextmanager
+def warming_option_table(cache_dir: Path, wait_s: float = 120.0) -> Iterator[None]:
+    """The option table built beside the block (e.g. while the model downloads), so a bad flag is
+    refused in milliseconds afterwards; a block that fails leaves no parser child behind."""
+    child = warm_option_table(cache_dir)
+    try:
+        yield
+        if child is not None:
+            child.wait(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        pass  # check_arguments builds the table itself
+    finally:
+        if child is not None and child.poll() is None:
+            child.kill()
+            child.wait()
 
 
 def check_arguments(command: list[str], cache_dir: Path, timeout_s: float = 120.0) -> None:

@@ -85,3 +85,11 @@ def test_history_of_an_unknown_model_says_so_and_a_bad_threshold_is_refused():
     assert empty.exit_code == 0 and "no benchmarked deployments of nobody-" in empty.stdout
     bad = CliRunner().invoke(app, ["history", "--threshold", "1.5"])
     assert bad.exit_code == 2 and "bad option --threshold 1.5" in bad.stderr
+
+
+def test_a_record_stored_twice_reads_back_once():
+    """A client retry after a server timeout can store one record as two artifacts."""
+    record = _record(model=f"twice-{uuid.uuid4().hex[:6]}/m")
+    publish_record(record)
+    publish_record(record)
+    assert read_history(record.model) == [record]

@@ -8,6 +8,7 @@ and a broken Prefect/SQLAlchemy pair fails there, every minute, while every othe
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -64,6 +65,16 @@ def _healthy(url: str) -> bool:
         return False
 
 
+def _stop(process: subprocess.Popen) -> None:
+    """SIGTERM to the group, SIGKILL if it is still there after a grace (a worker may wait on runs)."""
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+
+
 @pytest.fixture
 def real_server(tmp_path):
     """`prefect server start` on SQLite in its own PREFECT_HOME, every service on."""
@@ -80,8 +91,7 @@ def real_server(tmp_path):
         assert server.poll() is None, log.read_text()
         yield url, log
     finally:
-        os.killpg(server.pid, 15)
-        server.wait(timeout=60)
+        _stop(server)
 
 
 def test_scheduler_creates_nightly_runs_and_a_worker_completes_one(real_server, local_hub, tmp_path):
@@ -125,9 +135,8 @@ def test_scheduler_creates_nightly_runs_and_a_worker_completes_one(real_server, 
             final = _wait(lambda: (s := client.read_flow_run(run.id).state).is_final() and s, 180,
                           "the worker to run the nightly", worker_log)
         finally:
-            os.killpg(worker.pid, 15)
-            worker.wait(timeout=60)
-        assert final.is_completed(), worker_log.read_text()[-3000:]
+            _stop(worker)
+        assert final.is_completed(), (final, worker_log.read_text()[-3000:])
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
             flow_run_id=ArtifactFilterFlowRunId(any_=[run.id])))
         assert [a.key for a in artifacts] == ["nightly-demo-tiny-moe"]

@@ -29,7 +29,7 @@ def build_demo_repos(hub_root: Path) -> None:
 
 def demo_config(endpoint: str, models_root: Path, **overrides):
     """The demo's DeployConfig; an override named like a VllmSettings or BenchSpec field goes there."""
-    from flows.deploy import DeployConfig
+    from tasks.deployment import DeployConfig
     from tasks.bench import BenchSpec
     from tasks.server import VllmSettings
 
