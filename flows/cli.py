@@ -63,6 +63,16 @@ def _fail(exc: BaseException) -> None:
     raise typer.Exit(1)
 
 
+def _check_hub(repo_id: str, revision: str, endpoint: str | None) -> None:
+    """One hub call before Prefect starts: a typo in the repo or the endpoint fails in a second."""
+    from tasks.hub import resolve_snapshot
+
+    try:
+        resolve_snapshot(repo_id, revision, endpoint)
+    except UnusableInput as exc:
+        _fail(exc)
+
+
 def _print_table(rows: list[dict]) -> None:
     from tasks.report import SUMMARY_COLUMNS, bench_table
 
@@ -150,7 +160,6 @@ def prepare(
 
     from flows.deploy import prepare_model
     from tasks.deployment import DeployConfig
-    from tasks.hub import resolve_snapshot
 
     _exit_on_sigterm()
     try:
@@ -158,8 +167,8 @@ def prepare(
                               evict=evict, pinned_models=pin or [], hf_token_secret=hf_token_secret)
     except ValidationError as exc:
         _bad_option(exc)
-    try:  # one hub call before Prefect starts: a typo in the repo or the endpoint fails in a second
-        resolve_snapshot(repo_id, revision, endpoint)
+    _check_hub(repo_id, revision, endpoint)
+    try:
         prepared = prepare_model(config)
     except Exception as exc:
         _fail(exc)
@@ -204,9 +213,8 @@ def deploy(
     from pydantic import ValidationError
 
     from flows.deploy import deploy_model
-    from tasks.deployment import DeployConfig
     from tasks.bench import BenchSpec
-    from tasks.hub import resolve_snapshot
+    from tasks.deployment import DeployConfig
     from tasks.server import VllmSettings
 
     _exit_on_sigterm()
@@ -222,10 +230,7 @@ def deploy(
         )
     except ValidationError as exc:
         _bad_option(exc)
-    try:  # one hub call before Prefect starts: a typo in the repo or the endpoint fails in a second
-        resolve_snapshot(repo_id, revision, endpoint)
-    except UnusableInput as exc:
-        _fail(exc)
+    _check_hub(repo_id, revision, endpoint)
     try:
         result = deploy_model(config)
     except Exception as exc:

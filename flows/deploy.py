@@ -49,7 +49,6 @@ from tasks.steps import (
     publish_record,
     publish_results,
     resolve_revision,
-    secret,
     start_vllm,
     stop_vllm,
     validate_local,
@@ -173,9 +172,9 @@ def _serve_and_bench(config: DeployConfig, prepared: PreparedModel, gpu: GpuProb
         logger.info("vLLM ready at %s after %.0f s", handle.base_url, handle.startup_s)
         results_dir = (config.run_dir / "bench" / model_slug(config.repo_id)
                        / datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ"))
-        api_key, vocab, stops = secret(config.api_key_secret), vocab_size(prepared.model_dir), []
+        vocab, stops = vocab_size(prepared.model_dir), []
         rows = sweep(config.bench, lambda c: bench_level(handle.base_url, server.served_model_name, config.bench, c,
-                                                         vocab, prepared.model_dir, api_key, results_dir),
+                                                         vocab, prepared.model_dir, handle.api_key, results_dir),
                      stops.append)
         for reason in stops:
             logger.info("%s; the sweep stops", reason)

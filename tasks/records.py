@@ -49,4 +49,3 @@ def serving_deployment(run_dir: Path) -> LastGood | None:
     if last is None or last.server is None or current is None or last.serving_pgid != current:
         return None
     return last
-
