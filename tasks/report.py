@@ -36,6 +36,7 @@ def write_chart(df: pd.DataFrame, path: Path, title: str) -> Path:
     lat.legend()
     for axis in (tput, lat):
         axis.set_xticks(df["concurrency"], [str(c) for c in df["concurrency"]])
+        axis.set_xticks([], minor=True)  # the log scale's minor labels ("3x10^0") would sit among the levels
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
