@@ -8,19 +8,24 @@ shape error deep inside vLLM. Here the config is checked against the safetensors
 from __future__ import annotations
 
 import gc
+from bisect import bisect_right
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
+from collections.abc import Iterator
 from contextlib import contextmanager
+from itertools import accumulate, chain
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tasks.checkpoint import CheckpointView, local_view, remote_view
 from tasks.errors import CheckpointError
 from tasks.headers import TensorMeta
-from tasks.hub import RepoSnapshot, resolve_snapshot
+
+if TYPE_CHECKING:  # the hub stack is imported where a repo id is validated, not for a local folder
+    from tasks.hub import RepoSnapshot
 
 UNQUANTIZED_DTYPES = {"BF16", "F16", "F32"}
 INT_DTYPES = {"I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64"}
@@ -111,9 +116,11 @@ def match_name(name: str, target: str) -> bool:
 class IgnoreMatcher:
     """match_name for every ignore entry over many names at once, with the same results.
 
-    A Kimi-sized checkpoint has ~70k modules and four names each; one regex scan per entry over
-    all names joined by newlines (a zero-width lookahead at each line start, every hit re-checked
-    with re.match on the name alone) runs in C instead of 1.4M Python-level calls.
+    A Kimi-sized checkpoint has ~70k modules and four names each. Each `re:` entry scans all names
+    joined by newlines in C to find the lines it may match, and each such line is then decided by
+    re.match on the name alone, so the scan may over-find but must never miss: entries whose
+    meaning the joined text could change (anchors, lookbehind, negative lookahead, inline flags)
+    fall back to one re.match per name.
     """
 
     def __init__(self, entries: list[str]):
@@ -122,13 +129,26 @@ class IgnoreMatcher:
 
     @staticmethod
     def _scanner(pattern: re.Pattern) -> re.Pattern | None:
-        """None where the joined text could change the answer (anchors, lookbehind, inline flags)."""
-        if re.search(r"\\[AZz]|\(\?<", pattern.pattern):
+        body = pattern.pattern
+        if re.search(r"\\[AZz]|\(\?<|\(\?!", body):
             return None
         try:
-            return re.compile(f"(?m)^(?=(?:{pattern.pattern}))")
+            if body.startswith(".*"):  # `.*X` matches a name that X is found in: search X (C's literal skip)
+                return re.compile(body[2:].removeprefix("?"), re.MULTILINE)
+            return re.compile(f"(?m)^(?=(?:{body}))")
         except re.error:
             return None
+
+    @staticmethod
+    def _lines(scanner: re.Pattern, text: str, line_starts: list[int]) -> Iterator[int]:
+        """Each line a scanner hit starts in, once; the search goes on at the next line."""
+        pos = 0
+        while (m := scanner.search(text, pos)) is not None:
+            line = bisect_right(line_starts, m.start()) - 1
+            yield line
+            if line + 1 == len(line_starts):
+                return
+            pos = line_starts[line + 1]
 
     def hits(self, names: list[str]) -> dict[int, set[str]]:
         """Index of each name that some entry matches -> the entries matching it."""
@@ -136,19 +156,16 @@ class IgnoreMatcher:
         for i, n in enumerate(names):
             if n in self.exact:
                 found[i].add(n)
+        if not names:
+            return found
         text = "\n".join(names)
-        line_at, pos = {}, 0
-        for i, n in enumerate(names):
-            line_at[pos] = i
-            pos += len(n) + 1
+        line_starts = list(accumulate((len(n) + 1 for n in names[:-1]), initial=0))
         for entry, pattern in self.patterns:
             scanner = self._scanner(pattern)
-            if scanner is None:
-                indices = (i for i, n in enumerate(names) if pattern.match(n))
-            else:
-                indices = (i for m in scanner.finditer(text) if pattern.match(names[i := line_at[m.start()]]))
-            for i in indices:
-                found[i].add(entry)
+            lines = range(len(names)) if scanner is None else self._lines(scanner, text, line_starts)
+            for i in lines:
+                if pattern.match(names[i]):
+                    found[i].add(entry)
         return found
 
 
@@ -177,7 +194,9 @@ def group_modules(tensors: dict[str, TensorMeta]) -> dict[str, Module]:
     for name, meta in tensors.items():
         module, _, param = name.rpartition(".")
         if param == "weight" or param in PACKED_PARAMS:
-            modules.setdefault(module, Module(module)).params[param] = meta
+            if (found := modules.get(module)) is None:
+                found = modules[module] = Module(module)
+            found.params[param] = meta
     return modules
 
 
@@ -197,11 +216,8 @@ def module_kind(module: Module, expert_parents: set[str]) -> str:
     return "other"
 
 
-_UNSCOPED = re.compile(rf"(?:^|\.)(?:{'|'.join(sorted(UNSCOPED_PARTS))})(?:\.|$)")
-
-
 def _unscoped(name: str) -> bool:
-    return _UNSCOPED.search(name) is not None
+    return not UNSCOPED_PARTS.isdisjoint(name.split("."))
 
 
 def module_role(name: str, kind: str) -> str:
@@ -259,8 +275,8 @@ def _check_weight_map(view: CheckpointView, tensors: dict[str, TensorMeta], out:
     for name in sorted(view.stored_shards - named):
         out.append(Violation(rule="shard-not-in-weight-map", module=name,
                              message="stored shard that the weight_map never names (vLLM would ignore it)"))
-    wrong = [t for t, f in view.weight_map.items() if f in view.stored_shards and
-             (t not in tensors or tensors[t].file != f)]
+    stored = view.stored_shards
+    wrong = [t for t, f in view.weight_map.items() if f in stored and ((m := tensors.get(t)) is None or m.file != f)]
     if wrong:
         out.append(Violation(rule="weight-map-mismatch", module=wrong[0],
                              message=f"{len(wrong)} tensor(s) not stored where the weight_map says, e.g. this one "
@@ -297,27 +313,24 @@ def _check_config_agrees(text_config: dict, modules: dict[str, Module], out: lis
                                      f"{bad[layer]} ({len(bad)} layer(s) disagree)"))
 
 
-_NO_DIGITS = str.maketrans("", "", "0123456789")
-
-
 def _summary(modules: dict[str, Module], kinds: dict[str, str]) -> list[dict]:
-    rows: dict[tuple[str, str, str], dict] = {}
-    roles: dict[tuple[str, str], str] = {}  # no role marker has digits: one lookup per name template
+    counts: Counter[tuple[str, str, str]] = Counter()
+    nbytes: Counter[tuple[str, str, str]] = Counter()
     for name, module in modules.items():
-        storage = "packed" if module.packed else "unquantized"
-        dtype = (module.params.get("weight_packed") or module.params["weight"]).dtype
-        template = (name.translate(_NO_DIGITS), kinds[name])
-        role = roles.get(template) or roles.setdefault(template, module_role(name, kinds[name]))
-        key = (role, storage, dtype)
-        row = rows.setdefault(key, {"role": key[0], "storage": storage, "dtype": dtype, "modules": 0, "bytes": 0})
-        row["modules"] += 1
-        row["bytes"] += sum(t.end - t.start for t in module.params.values())
-    return sorted(rows.values(), key=lambda r: -r["bytes"])
+        packed = module.params.get("weight_packed")
+        storage, dtype = ("packed", packed.dtype) if packed else ("unquantized", module.params["weight"].dtype)
+        key = (module_role(name, kinds[name]), storage, dtype)
+        counts[key] += 1
+        nbytes[key] += sum([t.end - t.start for t in module.params.values()])
+    return [{"role": role, "storage": storage, "dtype": dtype, "modules": counts[key], "bytes": nbytes[key]}
+            for key in sorted(counts, key=nbytes.__getitem__, reverse=True) for role, storage, dtype in [key]]
 
 
 def validate(view: CheckpointView) -> ValidationReport:
     """Every rule over one checkpoint; violations fail it, warnings and notes inform."""
-    tensors = {name: meta for h in view.headers for name, meta in h.tensors.items()}
+    tensors: dict[str, TensorMeta] = {}
+    for h in view.headers:
+        tensors.update(h.tensors)
     modules = group_modules(tensors)
     expert_parents = {n.split(".experts.")[0] for n in modules if ".experts." in n}
     kinds = {name: module_kind(m, expert_parents) for name, m in modules.items()}
@@ -388,43 +401,48 @@ def _check_compressed_tensors(
     fused_ignored: dict[str, dict[str, bool]] = defaultdict(dict)
 
     checked = [(name, m) for name, m in modules.items() if kinds[name] not in ("embedding", "other")]
-    flat, owner = [], []
-    for k, (name, _) in enumerate(checked):
-        names = engine_names(name)
-        flat += names
-        owner += [k] * len(names)
+    per_module = [engine_names(name) for name, _ in checked]
+    first = list(accumulate(map(len, per_module), initial=0))  # index in `flat` of each module's first name
+    flat = list(chain.from_iterable(per_module))
     module_hits: dict[int, set[str]] = defaultdict(set)
     for j, entries in IgnoreMatcher(qc.ignore).hits(flat).items():
-        module_hits[owner[j]] |= entries
-    no_hits: frozenset[str] = frozenset()
+        module_hits[bisect_right(first, j) - 1] |= entries
     for j in module_hits.values():
         used_ignores |= j
+    # Experts repeat one layout tens of thousands of times: each distinct layout is checked once.
+    layout_problems: dict[tuple, list[str]] = {}
     for k, (name, module) in enumerate(checked):
-        kind = kinds[name]
-        hits = module_hits.get(k, no_hits)
-        ignored = bool(hits)
+        hits = module_hits.get(k)
         leaf = name.rpartition(".")[2]
         if leaf in _PART_TO_FUSED:
-            fused_ignored[f"{name.rpartition('.')[0]}.{_PART_TO_FUSED[leaf]}"][leaf] = ignored
-        group = _scheme_for(qc, name, kind)
-        if module.packed and module.unquantized:
+            fused_ignored[f"{name.rpartition('.')[0]}.{_PART_TO_FUSED[leaf]}"][leaf] = bool(hits)
+        params = module.params
+        packed = params.get("weight_packed")
+        if packed and "weight" in params:
             violations.append(Violation(rule="half-quantized", module=name, message="stores both weight and weight_packed"))
             continue
-        if ignored:
-            if module.packed:
+        if hits:
+            if packed:
                 violations.append(Violation(
                     rule="ignored-module-packed", module=name,
                     message=f"ignored by {sorted(hits)[0]!r} but stored as weight_packed"))
-            elif module.params["weight"].dtype not in UNQUANTIZED_DTYPES:
+            elif params["weight"].dtype not in UNQUANTIZED_DTYPES:
                 violations.append(Violation(
                     rule="ignored-module-dtype", module=name,
-                    message=f"ignored but stored as {module.params['weight'].dtype}, not bf16/fp16/fp32"))
+                    message=f"ignored but stored as {params['weight'].dtype}, not bf16/fp16/fp32"))
             continue
+        group = _scheme_for(qc, name, kinds[name])
         if group is None:
             continue
-        if module.packed:
+        if packed:
             if group.weights is not None:
-                for problem in _check_packed(module, group.weights, values):
+                # What _check_packed reads, without offsets: one key per distinct expert layout.
+                scale, shape = params.get("weight_scale"), params.get("weight_shape")
+                layout = (id(group.weights), packed[:2], scale and scale[:2], shape and shape[:2],
+                          shape and values.get(shape))
+                if (problems := layout_problems.get(layout)) is None:
+                    problems = layout_problems[layout] = _check_packed(module, group.weights, values)
+                for problem in problems:
                     violations.append(Violation(rule="packed-layout", module=name, message=problem))
         elif _unscoped(name):
             unscoped.append(name)
@@ -475,4 +493,6 @@ def validate_snapshot(snapshot: RepoSnapshot, endpoint: str | None = None) -> Va
 
 
 def validate_remote(repo_id: str, revision: str = "main", endpoint: str | None = None) -> ValidationReport:
+    from tasks.hub import resolve_snapshot
+
     return validate_snapshot(resolve_snapshot(repo_id, revision, endpoint), endpoint)

@@ -17,7 +17,7 @@ from flows.demo.checkpoint import quantization_config
 from testkit.faulty_hub import FaultyHub
 from testkit.sparse import write_sparse_kimi
 from tasks.errors import CheckpointError
-from tasks.validate import engine_names, match_name, validate_checkpoint, validate_remote
+from tasks.validate import IgnoreMatcher, engine_names, match_name, validate_checkpoint, validate_remote
 
 HIDDEN, INTER, EXPERTS = 64, 32, 4
 KIMI_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*layers\.0\.mlp\..*"]
@@ -224,6 +224,24 @@ def test_fused_matching_agrees_with_compressed_tensors_for_agreeing_parts():
     for part in ("q_proj", "k_proj", "v_proj"):
         ours = any(match_name(n, target) for n in engine_names(f"model.layers.0.self_attn.{part}"))
         assert ours == ct.match_name("model.layers.0.self_attn.qkv_proj", target, fused)
+
+
+
+_NAMES = ["model.layers.3.self_attn.q_proj", "model.layers.10.mlp.gate", "model.layers.1.mlp.gate", "lm_head",
+          "language_model.lm_head", "model.layers.1.mlp.experts.7.down_proj", "mlp", "model.layers.1.mlp.gate_x",
+          "vision_tower.blocks.0.attn.qkv"]
+
+
+@pytest.mark.parametrize("entry", [
+    "re:.*self_attn.*", "re:self_attn", "re:.*q_proj$", r"re:.*mlp\.gate$", r"re:model\.layers\.1\.mlp.*",
+    "re:.*?gate", r"re:.*gate|lm_head", "re:.*", "re:^mlp$", r"re:.*gate(?![\s\S])", r"re:.*gate\Z",
+    r"re:.*(?<=mlp\.)gate", "re:.*experts.[0-9]+.down", "re:(?s).*gate", "re:.*+gate", r"re:.*gate\s?$", "lm_head",
+])
+def test_ignore_matcher_finds_exactly_what_match_name_finds(entry):
+    """The joined-text scan may only speed match_name up: every name, every entry, the same answer."""
+    names = _NAMES + _NAMES[::-1]
+    found = IgnoreMatcher([entry]).hits(names)
+    assert {i for i, hit in found.items() if hit} == {i for i, n in enumerate(names) if match_name(n, entry)}
 
 
 runner = CliRunner()
