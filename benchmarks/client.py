@@ -19,7 +19,8 @@ import tempfile
 from pathlib import Path
 
 from flows.demo.checkpoint import train_tokenizer
-from tasks.bench import BenchSpec, run_level
+from tasks.bench.load import run_level
+from tasks.bench.spec import BenchSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # testkit: not installed
 
@@ -33,7 +34,7 @@ VLLM_BENCH = "import sys, argparse; from vllm.benchmarks.serve import add_cli_ar
 def ours(base_url: str, streams: int, output_len: int, continuous_usage: bool) -> float:
     spec = BenchSpec(input_len=16, output_len=output_len, requests_per_level=streams,
                      continuous_usage=continuous_usage)
-    return run_level(base_url, "fake", spec, streams, vocab_size=1000)["output_throughput"]
+    return run_level(base_url, "fake", spec, streams, vocab_size=1000).output_throughput
 
 
 def vllm_bench(base_url: str, streams: int, output_len: int, tokenizer: Path, out: Path) -> float:

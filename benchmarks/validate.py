@@ -22,7 +22,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from tasks.validate import validate_checkpoint
+from tasks.checkpoint.rules import validate_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # testkit: not installed
 

@@ -13,11 +13,14 @@ import re  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Annotated, Optional  # noqa: E402
+from typing import TYPE_CHECKING, Annotated, Optional  # noqa: E402
 
 import typer  # noqa: E402
 
 from tasks.errors import BenchConfigError, RolloutError, UnusableInput, first_line  # noqa: E402 (imports nothing)
+
+if TYPE_CHECKING:  # the commands import their stages when they run: `rollout --help` stays instant
+    from tasks.bench.results import LevelResult
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
@@ -73,10 +76,10 @@ def _check_hub(repo_id: str, revision: str, endpoint: str | None) -> None:
         _fail(exc)
 
 
-def _print_table(rows: list[dict]) -> None:
-    from tasks.report import SUMMARY_COLUMNS, bench_table
+def _print_table(results: list[LevelResult]) -> None:
+    from tasks.bench.report import SUMMARY_COLUMNS, bench_table
 
-    typer.echo(bench_table(rows)[SUMMARY_COLUMNS].round(2).to_string(index=False))
+    typer.echo(bench_table(results)[SUMMARY_COLUMNS].round(2).to_string(index=False))
 
 
 @app.command()
@@ -117,7 +120,7 @@ def validate(
 
     Exit 0 on pass, 1 on violations, 2 on unusable input.
     """
-    from tasks.validate import validate_checkpoint, validate_remote
+    from tasks.checkpoint.rules import validate_checkpoint, validate_remote
 
     local = Path(target)
     try:
@@ -213,9 +216,9 @@ def deploy(
     from pydantic import ValidationError
 
     from flows.deploy import deploy_model
-    from tasks.bench import BenchSpec
+    from tasks.bench.spec import BenchSpec
     from tasks.deployment import DeployConfig
-    from tasks.server import VllmSettings
+    from tasks.vllm.settings import VllmSettings
 
     _exit_on_sigterm()
     try:
@@ -268,9 +271,12 @@ def bench(
     import httpx
     from pydantic import ValidationError
 
-    from tasks.bench import BenchSpec, geometric_levels, level_prompts, run_level, sweep
     from tasks.artifacts import model_slug
-    from tasks.report import save_results
+    from tasks.bench.load import run_level
+    from tasks.bench.prompts import level_prompts
+    from tasks.bench.report import save_results
+    from tasks.bench.spec import BenchSpec, geometric_levels
+    from tasks.bench.sweep import sweep
 
     try:
         spec = BenchSpec(
@@ -300,10 +306,10 @@ def bench(
         raise typer.Exit(1)
     out = results_dir or Path("bench-results") / f"{model_slug(model)}-{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}"
 
-    def level(c: int) -> dict:
+    def level(c: int) -> LevelResult:
         row = run_level(base_url, model, spec, c, vocab_size, tokenizer, api_key, out)
-        typer.echo(f"c={c}: {row['output_throughput']:.1f} output tok/s, p99 TTFT {row['p99_ttft_ms'] or 0:.1f} ms"
-                   + (f"  [{row['flags']}]" if row["flags"] else ""))
+        typer.echo(f"c={c}: {row.output_throughput:.1f} output tok/s, p99 TTFT {row.ttft.p99 or 0:.1f} ms"
+                   + (f"  [{row.flags}]" if row.flags else ""))
         return row
 
     stops: list[str] = []
@@ -331,7 +337,7 @@ def history(
     import pandas as pd
 
     from tasks.artifacts import read_history
-    from tasks.history import comparison
+    from tasks.history.runs import comparison
 
     if not 0 <= threshold < 1:
         typer.echo(f"error: bad option --threshold {threshold}: a fraction in [0, 1)", err=True)

@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field
 
 from tasks.artifacts import publish_comparison, read_history
 from tasks.errors import RegressionError
-from tasks.history import comparison
+from tasks.history.runs import comparison
 
 
 class CompareConfig(BaseModel):

@@ -16,7 +16,8 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from tasks.artifacts import FetchProgress, model_slug, publish_fetch, publish_rollback
-from tasks.bench import sweep
+from tasks.bench.results import LevelResult
+from tasks.bench.sweep import sweep
 from tasks.deployment import (
     DeployConfig,
     DeployResult,
@@ -33,11 +34,10 @@ from tasks.deployment import (
 from tasks.disk import GB
 from tasks.errors import RegressionError, first_line
 from tasks.gpu import GpuProbe
-from tasks.history import RunRecord, check_regression, run_record
+from tasks.history.last_good import LastGood, read_last_good, serving_deployment, write_last_good
+from tasks.history.runs import RunRecord, check_regression, run_record
 from tasks.host_lock import host_lock
 from tasks.hub import RepoSnapshot, missing_bytes, record_revision, snapshot_dir
-from tasks.records import LastGood, read_last_good, serving_deployment, write_last_good
-from tasks.server import ServerConfig, ServerHandle, reap_stale, served_model, stop_server, warming_option_table
 from tasks.steps import (
     bench_level,
     check_gpus,
@@ -54,6 +54,9 @@ from tasks.steps import (
     validate_local,
     validate_remote,
 )
+from tasks.vllm.command import warming_option_table
+from tasks.vllm.process import ServerHandle, reap_stale, served_model, stop_server
+from tasks.vllm.settings import ServerConfig
 
 __all__ = ["DeployConfig", "DeployResult", "PreparedModel", "deploy_model", "prepare_model"]
 
@@ -163,7 +166,7 @@ def deploy_model(config: DeployConfig) -> DeployResult:
 
 
 def _serve_and_bench(config: DeployConfig, prepared: PreparedModel, gpu: GpuProbe, server: ServerConfig,
-                     last_run: RunRecord | None) -> tuple[ServerHandle, RunRecord, list[dict]]:
+                     last_run: RunRecord | None) -> tuple[ServerHandle, RunRecord, list[LevelResult]]:
     """Start (readiness includes a real token), sweep, publish, compare; a regression raises."""
     logger = get_run_logger()
     handle, facts = start_vllm(server, config.run_dir, config.startup_timeout_s, config.api_key_secret,

@@ -17,7 +17,7 @@ from tasks.artifacts import (
 )
 from tasks.deployment import DeployConfig
 from tasks.errors import HubUnreachable
-from tasks.records import read_last_good, serving_deployment
+from tasks.history.last_good import read_last_good, serving_deployment
 from tasks.steps import hub_token, resolve_revision
 
 

@@ -22,12 +22,13 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
+from tasks.checkpoint.rules import ValidationReport
 from tasks.disk import GB, DiskPlan, EvictionResult, plan_summary
 from tasks.errors import ServerStartError, first_line
+from tasks.findings import Violation
 from tasks.gpu import GpuProbe, HardwarePlan
-from tasks.history import RunRecord
+from tasks.history.runs import RunRecord
 from tasks.hub import FetchResult
-from tasks.validate import ValidationReport, Violation
 
 HISTORY = "history-"
 PAGE = 200  # the API's default page limit

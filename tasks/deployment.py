@@ -9,12 +9,14 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from tasks.bench import BenchSpec
+from tasks.bench.results import LevelResult
+from tasks.bench.spec import BenchSpec
+from tasks.checkpoint.rules import ValidationReport
 from tasks.gpu import GpuProbe, HardwarePlan, kv_cache_is_fp8
-from tasks.history import RunRecord
-from tasks.records import LastGood
-from tasks.server import ServerConfig, ServerHandle, VllmSettings
-from tasks.validate import ValidationReport
+from tasks.history.last_good import LastGood
+from tasks.history.runs import RunRecord
+from tasks.vllm.process import ServerHandle
+from tasks.vllm.settings import ServerConfig, VllmSettings
 
 
 class DeployConfig(BaseModel):
@@ -66,7 +68,7 @@ class PreparedModel(BaseModel):
 class DeployResult(BaseModel):
     prepared: PreparedModel
     platform: str
-    results: list[dict]
+    results: list[LevelResult]
     record: RunRecord  # the history record: its `compared` says how this run stands against the last good one
     base_url: str | None = None  # where the new deployment serves; None when keep_serving was off
 

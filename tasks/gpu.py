@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Literal
 
-from tasks.validate import Violation
+from tasks.findings import Violation
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from filelock import FileLock
-from huggingface_hub import HfApi, hf_hub_url, try_to_load_from_cache
+from huggingface_hub import HfApi, constants, hf_hub_url, try_to_load_from_cache
 from huggingface_hub.errors import (
     EntryNotFoundError,
     GatedRepoError,
@@ -30,7 +30,6 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
-from huggingface_hub import constants
 from huggingface_hub.file_download import repo_folder_name
 from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_stream_backoff
 

@@ -16,15 +16,19 @@ from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
 from tasks import artifacts
-from tasks.bench import BenchSpec, run_level
+from tasks.bench.load import run_level
+from tasks.bench.report import save_results
+from tasks.bench.results import LevelResult
+from tasks.bench.spec import BenchSpec
+from tasks.checkpoint.rules import ValidationReport, Violation, validate_checkpoint, validate_snapshot
 from tasks.disk import DiskPlan, EvictionResult, check_plan, evict, plan_space
 from tasks.errors import GpuConfigError, ServerStartError, ValidationFailed
 from tasks.gpu import GpuProbe, HardwarePlan, check_hardware, hardware_warnings, probe
-from tasks.history import RunRecord
+from tasks.history.runs import RunRecord
 from tasks.hub import FetchResult, RepoFile, RepoSnapshot, fetch_file, is_transient, resolve_snapshot
-from tasks.report import save_results
-from tasks.server import ServerConfig, ServerHandle, running_facts, start_and_wait, stop_server
-from tasks.validate import ValidationReport, Violation, validate_checkpoint, validate_snapshot
+from tasks.vllm.process import ServerHandle, stop_server
+from tasks.vllm.readiness import running_facts, start_and_wait
+from tasks.vllm.settings import ServerConfig
 
 
 def secret(block: str | None) -> str | None:
@@ -159,14 +163,14 @@ def stop_vllm(handle: ServerHandle) -> None:
 # Benchmark and history
 @task(name="bench-level", task_run_name="bench c={concurrency}", tags=["bench"], cache_policy=NO_CACHE)
 def bench_level(base_url: str, model: str, spec: BenchSpec, concurrency: int, vocab_size: int | None,
-                tokenizer: Path | None, api_key: str | None = None, results_dir: Path | None = None) -> dict:
+                tokenizer: Path | None, api_key: str | None = None, results_dir: Path | None = None) -> LevelResult:
     return run_level(base_url, model, spec, concurrency, vocab_size, tokenizer, api_key, results_dir)
 
 
 @task(name="publish-results", tags=["report"])
-def publish_results(rows: list[dict], repo_id: str, facts: dict[str, str], results_dir: Path,
+def publish_results(results: list[LevelResult], repo_id: str, facts: dict[str, str], results_dir: Path,
                     stop: str | None) -> pd.DataFrame:
-    df, markdown = save_results(rows, results_dir, f"Benchmark of {repo_id}", facts, stop)
+    df, markdown = save_results(results, results_dir, f"Benchmark of {repo_id}", facts, stop)
     artifacts.publish_bench(df, markdown, repo_id)
     return df
 

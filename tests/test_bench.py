@@ -10,30 +10,27 @@ import time
 import numpy as np
 import pytest
 
-from testkit.openai_server import StreamingServer
-from tasks.bench import (
-    BenchSpec,
-    LevelRun,
-    RequestRecord,
-    ServerSamples,
-    _watch_loop,
-    arrival_offsets,
-    geometric_levels,
-    knee,
-    level_prompts,
-    make_prompts,
-    run_level,
-    stop_reason,
-    summarize,
-    sweep,
-)
+from tasks.bench.client import RequestRecord
+from tasks.bench.load import _watch_loop, run_level
+from tasks.bench.metrics import ServerSamples
+from tasks.bench.prompts import arrival_offsets, level_prompts, make_prompts
+from tasks.bench.results import LevelResult, LevelRun, summarize
+from tasks.bench.spec import BenchSpec, geometric_levels
+from tasks.bench.sweep import knee, stop_reason, sweep
 from tasks.errors import BenchConfigError
+from testkit.openai_server import StreamingServer
 
 SPEC = BenchSpec(input_len=16, output_len=20, requests_per_level=8)
 
 
 def _run(records, duration_s=2.0, lags=(), cpu_s=0.1, server=None) -> LevelRun:
     return LevelRun(records, duration_s, list(lags), cpu_s, server or ServerSamples())
+
+
+def _level(concurrency: int, output_throughput: float, completed: int = 1, **measured) -> LevelResult:
+    """A level as the sweep sees it: only the figures a test sets matter."""
+    return LevelResult(concurrency=concurrency, max_concurrency=concurrency, requests=completed, completed=completed,
+                       failed=0, duration=1.0, output_throughput=output_throughput, **measured)
 
 
 def test_tpot_is_decode_time_over_tokens_after_the_first():
@@ -50,15 +47,15 @@ def test_summary_uses_server_token_counts_wall_time_and_vllm_keys():
         RequestRecord(ok=False, start_s=0, e2e_s=0.1, error="APIConnectionError"),
     ]
     row = summarize(2, _run(records), SPEC)
-    assert (row["requests"], row["completed"], row["failed"]) == (3, 2, 1)
-    assert row["errors"] == "APIConnectionError=1" and "failures" in row["flags"]
-    assert row["output_throughput"] == pytest.approx(32.0)
-    assert row["total_token_throughput"] == pytest.approx(96.0)
-    assert row["mean_ttft_ms"] == pytest.approx(100.0)
-    assert row["mean_itl_ms"] == pytest.approx(20.0)
-    assert row["std_ttft_ms"] == pytest.approx(50.0)
-    assert row["mean_tpot_ms"] == pytest.approx(((0.45 / 31) + (0.55 / 31)) / 2 * 1000)
-    assert row["request_goodput"] is None and row["within_slo"] is None  # no SLO given
+    assert (row.requests, row.completed, row.failed) == (3, 2, 1)
+    assert row.errors == "APIConnectionError=1" and "failures" in row.flags
+    assert row.output_throughput == pytest.approx(32.0)
+    assert row.total_token_throughput == pytest.approx(96.0)
+    assert row.ttft.mean == pytest.approx(100.0)
+    assert row.itl.mean == pytest.approx(20.0)
+    assert row.ttft.std == pytest.approx(50.0)
+    assert row.tpot.mean == pytest.approx(((0.45 / 31) + (0.55 / 31)) / 2 * 1000)
+    assert row.request_goodput is None and row.within_slo is None  # no SLO given
 
 
 def test_goodput_counts_requests_within_every_slo():
@@ -67,10 +64,10 @@ def test_goodput_counts_requests_within_every_slo():
     slow_decode = RequestRecord(ok=True, start_s=0, e2e_s=1.05, ttft_s=0.05, prompt_tokens=8, output_tokens=11)
     spec = SPEC.model_copy(update=dict(slo_ttft_ms=100, slo_tpot_ms=50, slo_attainment=0.5))
     row = summarize(3, _run([fast, slow_first, slow_decode], duration_s=2.0), spec)
-    assert row["request_goodput"] == pytest.approx(0.5)  # one good request in 2 s
-    assert row["slo_attainment"] == pytest.approx(1 / 3)
-    assert row["within_slo"] is False and "slo-missed" in row["flags"]
-    assert summarize(3, _run([fast, fast, slow_first]), spec)["within_slo"] is True  # 2/3 >= 50%
+    assert row.request_goodput == pytest.approx(0.5)  # one good request in 2 s
+    assert row.slo_attainment == pytest.approx(1 / 3)
+    assert row.within_slo is False and "slo-missed" in row.flags
+    assert summarize(3, _run([fast, fast, slow_first]), spec).within_slo is True  # 2/3 >= 50%
 
 
 def test_prompts_are_exact_length_reproducible_and_avoid_vocab_ends():
@@ -113,11 +110,11 @@ def test_measured_latencies_match_what_the_server_injected(concurrency, api, hub
     with StreamingServer(ttft_s=ttft, itl_s=itl) as server:
         row = run_level(server.base_url, "fake", spec, concurrency, vocab_size=1000,
                         tokenizer=hub_root / "demo" / "tiny-moe")
-    assert row["failed"] == 0 and row["total_output_tokens"] == max(8, 2 * concurrency) * 20
+    assert row.failed == 0 and row.total_output_tokens == max(8, 2 * concurrency) * 20
     for metric, injected in (("ttft", ttft), ("tpot", itl), ("itl", itl)):
-        measured = row[f"median_{metric}_ms"] / 1000
+        measured = getattr(row, metric).median / 1000
         assert abs(measured - injected) <= max(0.05 * injected, 0.002), (metric, measured, injected)
-    assert "client-limited" not in row["flags"]
+    assert "client-limited" not in row.flags
 
 
 def test_a_chunk_of_k_tokens_counts_as_k_intervals():
@@ -126,10 +123,10 @@ def test_a_chunk_of_k_tokens_counts_as_k_intervals():
         row = run_level(server.base_url, "fake", spec, 1, vocab_size=1000)
         plain = run_level(server.base_url, "fake", spec.model_copy(update=dict(continuous_usage=False)), 1,
                           vocab_size=1000)
-    assert row["total_output_tokens"] == 4 * 24
-    assert row["median_itl_ms"] == pytest.approx(10.0, abs=2.0)  # 40 ms gaps, 4 tokens each
-    assert plain["median_itl_ms"] == pytest.approx(40.0, abs=2.0)  # without per-chunk usage: per chunk
-    assert plain["total_output_tokens"] == 4 * 24  # counts from the final usage either way
+    assert row.total_output_tokens == 4 * 24
+    assert row.itl.median == pytest.approx(10.0, abs=2.0)  # 40 ms gaps, 4 tokens each
+    assert plain.itl.median == pytest.approx(40.0, abs=2.0)  # without per-chunk usage: per chunk
+    assert plain.total_output_tokens == 4 * 24  # counts from the final usage either way
 
 
 def test_server_queueing_is_scraped_from_metrics_and_flagged(tmp_path):
@@ -138,11 +135,11 @@ def test_server_queueing_is_scraped_from_metrics_and_flagged(tmp_path):
         fits = run_level(server.base_url, "fake", spec, 4, vocab_size=1000, scrape_interval_s=0.05)
         queued = run_level(server.base_url, "fake", spec, 8, vocab_size=1000, scrape_interval_s=0.05,
                            results_dir=tmp_path)
-    assert fits["server_waiting_max"] == 0 and "queued" not in fits["flags"]
-    assert fits["server_running_max"] == 4
-    assert queued["server_waiting_max"] >= 1 and "queued" in queued["flags"]
-    assert queued["server_kv_cache_usage_max"] == pytest.approx(1.0) and "kv-cache-full" in queued["flags"]
-    assert queued["server_output_throughput"] == pytest.approx(queued["output_throughput"], rel=0.25)
+    assert fits.server_waiting_max == 0 and "queued" not in fits.flags
+    assert fits.server_running_max == 4
+    assert queued.server_waiting_max >= 1 and "queued" in queued.flags
+    assert queued.server_kv_cache_usage_max == pytest.approx(1.0) and "kv-cache-full" in queued.flags
+    assert queued.server_output_throughput == pytest.approx(queued.output_throughput, rel=0.25)
     saved = json.loads((tmp_path / "level-c0008.json").read_text())
     vllm_keys = {"date", "backend", "model_id", "num_prompts", "request_rate", "burstiness", "max_concurrency",
                  "duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
@@ -168,28 +165,26 @@ def test_a_blocked_event_loop_is_measured_as_lag():
     assert max(lags) >= 0.045
     row = summarize(1, _run([RequestRecord(ok=True, start_s=0, e2e_s=1, ttft_s=0.1, output_tokens=2)], lags=lags),
                     SPEC)
-    assert row["client_loop_lag_p99_ms"] > SPEC.max_loop_lag_ms and "client-limited" in row["flags"]
+    assert row.client_loop_lag_p99_ms > SPEC.max_loop_lag_ms and "client-limited" in row.flags
 
 
 def test_sweep_stops_when_a_level_adds_too_little_throughput_and_names_the_knee():
     throughput = {1: 80.0, 2: 150.0, 4: 155.0, 8: 300.0}
     spec = SPEC.model_copy(update=dict(concurrency_levels=[1, 2, 4, 8]))
     stops: list[str] = []
-    rows = sweep(spec, lambda c: {"concurrency": c, "output_throughput": throughput[c], "completed": 1}, stops.append)
-    assert [r["concurrency"] for r in rows] == [1, 2, 4]
+    rows = sweep(spec, lambda c: _level(c, throughput[c]), stops.append)
+    assert [r.concurrency for r in rows] == [1, 2, 4]
     assert stops == [stop_reason(rows, 0.05)] and "saturated at concurrency 4" in stops[0]
-    assert knee(rows)["concurrency"] == 4
-    every = sweep(spec.model_copy(update=dict(min_throughput_gain=None)),
-                  lambda c: {"concurrency": c, "output_throughput": throughput[c], "completed": 1})
+    assert knee(rows).concurrency == 4
+    every = sweep(spec.model_copy(update=dict(min_throughput_gain=None)), lambda c: _level(c, throughput[c]))
     assert len(every) == 4  # sweeping every level was asked for
 
 
 def test_sweep_stops_when_the_slo_breaks_and_the_knee_stays_within_it():
-    rows = [{"concurrency": 1, "output_throughput": 80.0, "completed": 8, "within_slo": True, "slo_attainment": 1.0},
-            {"concurrency": 2, "output_throughput": 150.0, "completed": 8, "within_slo": True, "slo_attainment": 1.0},
-            {"concurrency": 4, "output_throughput": 290.0, "completed": 8, "within_slo": False, "slo_attainment": 0.5}]
+    rows = [_level(1, 80.0, 8, within_slo=True, slo_attainment=1.0), _level(2, 150.0, 8, within_slo=True, slo_attainment=1.0),
+            _level(4, 290.0, 8, within_slo=False, slo_attainment=0.5)]
     assert "SLO missed at concurrency 4 (50% of requests within)" == stop_reason(rows, 0.05)
-    assert knee(rows)["concurrency"] == 2
+    assert knee(rows).concurrency == 2
 
 
 def test_geometric_levels_end_at_the_maximum():

@@ -17,8 +17,8 @@ from prefect.settings import PREFECT_API_URL
 import flows.nightly
 from flows.demo import BF16_REPO, demo_config
 from flows.nightly import nightly_refresh
+from tasks.history.last_good import LastGood, write_last_good
 from tasks.hub import resolve_snapshot
-from tasks.records import LastGood, write_last_good
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 ROOT = Path(__file__).resolve().parents[1]

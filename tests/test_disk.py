@@ -12,7 +12,7 @@ import pytest
 
 from tasks.disk import check_plan, evict, inventory, measure, plan_space
 from tasks.errors import DiskSpaceError
-from tasks.server import served_model
+from tasks.vllm.process import served_model
 
 MB = 10**6
 

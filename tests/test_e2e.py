@@ -14,9 +14,9 @@ from fake_nvml import FakeNvml
 from flows.demo import BF16_REPO, demo_config, run_demo
 from flows.deploy import deploy_model, prepare_model
 from tasks.errors import CheckpointError, DiskSpaceError, GpuConfigError, HostBusyError, HubError, ServerStartError
+from tasks.history.last_good import LastGood, write_last_good
+from tasks.history.runs import RunRecord
 from tasks.host_lock import host_lock
-from tasks.history import RunRecord
-from tasks.records import LastGood, write_last_good
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 
@@ -47,26 +47,26 @@ def test_demo_deploys_benchmarks_and_publishes(tmp_path):
 
     assert int4.validation.verdict == "pass" and int4.validation.modules_packed > 0
     assert result.platform == "cpu"
-    rows = sorted(result.results, key=lambda r: r["concurrency"])
-    levels = [r["concurrency"] for r in rows]
+    rows = sorted(result.results, key=lambda r: r.concurrency)
+    levels = [r.concurrency for r in rows]
     assert levels == [1, 2, 4, 8, 16, 32, 64][: len(levels)] and len(levels) >= 2
     for row in rows:
-        assert row["failed"] == 0 and row["completed"] == row["requests"] == max(8, row["concurrency"])
-        assert row["total_output_tokens"] == max(8, row["concurrency"]) * 32  # ignore_eos + min_tokens
-        assert row["output_throughput"] > 0 and row["mean_ttft_ms"] > 0
-        assert row["p99_e2el_ms"] >= row["p99_ttft_ms"]
-        assert row["server_running_max"] is not None  # vLLM's /metrics was scraped during the level
+        assert row.failed == 0 and row.completed == row.requests == max(8, row.concurrency)
+        assert row.total_output_tokens == max(8, row.concurrency) * 32  # ignore_eos + min_tokens
+        assert row.output_throughput > 0 and row.ttft.mean > 0
+        assert row.e2el.p99 >= row.ttft.p99
+        assert row.server_running_max is not None  # vLLM's /metrics was scraped during the level
 
     table = artifact("bench-demo-tiny-moe")
     assert table.type == "table"
     stored = json.loads(table.data) if isinstance(table.data, str) else table.data
     assert [r["concurrency"] for r in stored] == levels
     for kept, measured in zip(stored, rows):
-        assert kept["output_throughput"] == pytest.approx(measured["output_throughput"])
-        assert kept["total_output_tokens"] == measured["total_output_tokens"]
+        assert kept["output_throughput"] == pytest.approx(measured.output_throughput)
+        assert kept["total_output_tokens"] == measured.total_output_tokens
 
     summary = artifact("bench-summary-demo-tiny-moe")
-    assert f"{rows[0]['output_throughput']:.1f} output tok/s" in summary.data
+    assert f"{rows[0].output_throughput:.1f} output tok/s" in summary.data
     runs = list((tmp_path / "models" / ".rollout" / "bench" / "demo-tiny-moe").iterdir())
     assert len(runs) == 1 and f"({(runs[0] / 'chart.png').as_uri()})" in summary.data
     assert (runs[0] / "chart.png").read_bytes().startswith(b"\x89PNG")
@@ -185,16 +185,16 @@ def test_sweep_stops_by_itself_at_saturation_and_names_the_knee(local_hub, tmp_p
     config = demo_config(local_hub.endpoint, tmp_path / "models", concurrency_levels=levels,
                          min_throughput_gain=0.05, requests_per_level=16, max_num_seqs=2)
     rows = deploy_model(config).results
-    ran = [r["concurrency"] for r in rows]
+    ran = [r.concurrency for r in rows]
     assert ran == levels[: len(ran)] and len(ran) < len(levels)
-    assert rows[-1]["output_throughput"] < rows[-2]["output_throughput"] * 1.05
+    assert rows[-1].output_throughput < rows[-2].output_throughput * 1.05
     for row in rows:
-        assert row["total_output_tokens"] == max(16, row["concurrency"]) * 32
-    best = max(rows, key=lambda r: r["output_throughput"])
+        assert row.total_output_tokens == max(16, row.concurrency) * 32
+    best = max(rows, key=lambda r: r.output_throughput)
     summary = artifact("bench-summary-demo-tiny-moe").data
-    assert f"at concurrency {best['concurrency']}" in summary
+    assert f"at concurrency {best.concurrency}" in summary
     assert f"**Sweep ended:** saturated at concurrency {ran[-1]}" in summary
     # Past 2 sequences vLLM queues the rest: the scrape of /metrics says so beside our numbers.
     # vLLM updates its gauges once per logging interval, so a short level may not show its queue.
-    assert all(("queued" in r["flags"]) == bool(r["server_waiting_max"]) for r in rows)
+    assert all(("queued" in r.flags) == bool(r.server_waiting_max) for r in rows)
     assert vllm_processes() == []

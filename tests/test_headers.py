@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import struct
+import tracemalloc
 from pathlib import Path
 
 import pytest
-import tracemalloc
 
+from tasks.checkpoint.headers import MAX_HEADER_BYTES, read_local_header
 from tasks.errors import CheckpointError
-from tasks.headers import MAX_HEADER_BYTES, read_local_header
 
 
 def write_raw(path: Path, header: dict | bytes, data_len: int, claimed_len: int | None = None) -> Path:

@@ -12,12 +12,13 @@ from typer.testing import CliRunner
 
 from flows.cli import app
 from flows.compare import CompareConfig, compare_runs
-from testkit.openai_server import StreamingServer
-from tasks.bench import BenchSpec, run_level
-from tasks.errors import RegressionError
 from tasks.artifacts import read_history
-from tasks.history import RunRecord, check_regression, run_record
+from tasks.bench.load import run_level
+from tasks.bench.spec import BenchSpec
+from tasks.errors import RegressionError
+from tasks.history.runs import RunRecord, check_regression, run_record
 from tasks.steps import publish_record
+from testkit.openai_server import StreamingServer
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 SPEC = BenchSpec(concurrency_levels=[1, 4], requests_per_level=4, input_len=16, output_len=16)

@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 from huggingface_hub.errors import HfHubHTTPError, Response
 
-from testkit.faulty_hub import Fault, FaultyHub
 from tasks.errors import ChecksumError, DiskSpaceError, HubError
 from tasks.hub import (
     PART_SUFFIX,
@@ -33,6 +32,7 @@ from tasks.hub import (
     snapshot_dir,
 )
 from tasks.steps import fetch
+from testkit.faulty_hub import Fault, FaultyHub
 
 REPO = "org/sharded"
 SHARD = 2 * 2**20

@@ -15,7 +15,7 @@ LINT = str(Path(sys.executable).parent / "lint-imports")
 def _lint(root: Path) -> subprocess.CompletedProcess:
     # The checked tree goes first on the path, so grimp reads its modules, not the installed ones.
     env = {**os.environ, "PYTHONPATH": str(root)}
-    return subprocess.run([LINT, "--config", str(root / "pyproject.toml"), "--no-cache"], cwd=root, env=env,
+    return subprocess.run([LINT, str(root / "pyproject.toml"), "--no-cache"], cwd=root, env=env,
                           capture_output=True, text=True, timeout=300)
 
 

@@ -35,8 +35,8 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.states import Scheduled
 
 from flows.demo import BF16_REPO, demo_config
+from tasks.history.last_good import LastGood, write_last_good
 from tasks.hub import resolve_snapshot
-from tasks.records import LastGood, write_last_good
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

@@ -12,18 +12,18 @@ import sys
 import time
 
 import pytest
+from conftest import artifact
 from prefect.blocks.system import Secret
-from prefect.logging.handlers import APILogWorker
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
+from prefect.logging.handlers import APILogWorker
 
-from conftest import artifact
 from flows.demo import BF16_REPO, demo_config
-from testkit.faulty_hub import FaultyHub
 from flows.deploy import prepare_model
 from tasks.disk import GB, inventory, measure
 from tasks.errors import DiskSpaceError
 from tasks.hub import PART_SUFFIX
+from testkit.faulty_hub import FaultyHub
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 TOKEN = "hf_rollout_test_token_never_shown"

@@ -9,10 +9,10 @@ from conftest import artifact, vllm_processes
 from flows.demo import BF16_REPO, demo_config
 from flows.deploy import deploy_model
 from flows.nightly import nightly_refresh
-from tasks.errors import RegressionError
 from tasks.artifacts import read_history
-from tasks.records import read_last_good, write_last_good
-from tasks.server import reap_stale, serving_group
+from tasks.errors import RegressionError
+from tasks.history.last_good import read_last_good, write_last_good
+from tasks.vllm.process import reap_stale, serving_group
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 QUICK = dict(concurrency_levels=[1, 2], requests_per_level=4, keep_serving=True)

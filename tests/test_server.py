@@ -12,21 +12,11 @@ from pathlib import Path
 import pytest
 
 from tasks.errors import ServerStartError
-from tasks.vllm_args import quick_check
-from tasks.server import (
-    ServerConfig,
-    VllmSettings,
-    build_command,
-    check_arguments,
-    classify_failure,
-    group_members,
-    reap_stale,
-    served_model,
-    serving_group,
-    server_facts,
-    start_server,
-    stop_group,
-)
+from tasks.vllm.command import build_command, check_arguments
+from tasks.vllm.log import classify_failure, server_facts
+from tasks.vllm.options import quick_check
+from tasks.vllm.process import group_members, reap_stale, served_model, serving_group, start_server, stop_group
+from tasks.vllm.settings import ServerConfig, VllmSettings
 
 # A leader that ignores SIGTERM and a child that does too: only SIGKILL of the group ends them.
 STUBBORN = (

@@ -12,7 +12,9 @@ from conftest import vllm_processes
 
 from flows.demo import BF16_REPO
 from tasks.errors import ServerStartError
-from tasks.server import ServerConfig, group_members, reap_stale, start_server, stop_server, wait_ready
+from tasks.vllm.process import group_members, reap_stale, start_server, stop_server
+from tasks.vllm.readiness import wait_ready
+from tasks.vllm.settings import ServerConfig
 
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 

@@ -14,10 +14,10 @@ from typer.testing import CliRunner
 from flows.cli import app
 from flows.demo import BF16_REPO, INT4_REPO
 from flows.demo.checkpoint import quantization_config
+from tasks.checkpoint.rules import IgnoreMatcher, engine_names, match_name, validate_checkpoint, validate_remote
+from tasks.errors import CheckpointError
 from testkit.faulty_hub import FaultyHub
 from testkit.sparse import write_sparse_kimi
-from tasks.errors import CheckpointError
-from tasks.validate import IgnoreMatcher, engine_names, match_name, validate_checkpoint, validate_remote
 
 HIDDEN, INTER, EXPERTS = 64, 32, 4
 KIMI_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*layers\.0\.mlp\..*"]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flows.demo.checkpoint import KIMI_STYLE_IGNORE, quantization_config
-from tasks.headers import DTYPE_BYTES
+from tasks.checkpoint.headers import DTYPE_BYTES
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from datetime import datetime, timezone
 import pandas as pd
 from pydantic import BaseModel
 
-from tasks.bench import knee
-
+from tasks.bench.results import LevelResult
+from tasks.bench.sweep import knee
 
 # Columns of the comparison table, in print order.
 COLUMNS = ["time", "model", "revision", "single_stream_tok_s", "peak_tok_s", "knee_concurrency", "p99_ttft_ms",
@@ -43,18 +43,18 @@ class RunRecord(BaseModel):
     flow_run_id: str | None = None
 
 
-def run_record(rows: list[dict], model: str, revision: str, commit: str, gpu: str, vllm_version: str,
+def run_record(results: list[LevelResult], model: str, revision: str, commit: str, gpu: str, vllm_version: str,
                parallelism: str, flow_run_id: str | None = None) -> RunRecord:
     """Single stream, the knee's throughput and its p99 TTFT, from one sweep's rows."""
-    best = knee(rows)
-    single = next((r for r in rows if r["concurrency"] == 1), None)
+    best = knee(results)
+    single = next((r for r in results if r.concurrency == 1), None)
     return RunRecord(
         model=model, revision=revision, commit=commit, time=datetime.now(timezone.utc), host=socket.gethostname(),
         gpu=gpu, vllm_version=vllm_version, parallelism=parallelism,
-        single_stream_tok_s=single["output_throughput"] if single else None,
-        peak_tok_s=best["output_throughput"] if best else None,
-        knee_concurrency=best["concurrency"] if best else None,
-        p99_ttft_ms=best["p99_ttft_ms"] if best else None,
+        single_stream_tok_s=single.output_throughput if single else None,
+        peak_tok_s=best.output_throughput if best else None,
+        knee_concurrency=best.concurrency if best else None,
+        p99_ttft_ms=best.ttft.p99 if best else None,
         flow_run_id=flow_run_id,
     )
 

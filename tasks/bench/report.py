@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from tasks.bench import knee
+from tasks.bench.results import LevelResult
+from tasks.bench.sweep import knee
 
 SUMMARY_COLUMNS = [
     "concurrency", "completed", "failed", "output_throughput", "total_token_throughput",
@@ -14,8 +15,8 @@ SUMMARY_COLUMNS = [
 ]
 
 
-def bench_table(rows: list[dict]) -> pd.DataFrame:
-    return pd.DataFrame(rows).sort_values("concurrency").reset_index(drop=True)
+def bench_table(results: list[LevelResult]) -> pd.DataFrame:
+    return pd.DataFrame([r.model_dump() for r in results]).sort_values("concurrency").reset_index(drop=True)
 
 
 def write_chart(df: pd.DataFrame, path: Path, title: str) -> Path:
@@ -44,17 +45,16 @@ def write_chart(df: pd.DataFrame, path: Path, title: str) -> Path:
     return path
 
 
-def summary_markdown(df: pd.DataFrame, title: str, facts: dict[str, str], stop: str | None = None,
-                     chart: Path | None = None) -> str:
-    best = knee(df.to_dict(orient="records"))
-    single = df[df["concurrency"] == 1]
+def summary_markdown(results: list[LevelResult], df: pd.DataFrame, title: str, facts: dict[str, str],
+                     stop: str | None = None, chart: Path | None = None) -> str:
+    best = knee(results)
+    single = next((r for r in results if r.concurrency == 1), None)
     lines = [f"# {title}", ""]
     lines += [f"- **{k}:** {v}" for k, v in facts.items()]
-    if not single.empty:
-        lines.append(f"- **Single stream:** {single['output_throughput'].iloc[0]:.1f} output tok/s")
+    if single is not None:
+        lines.append(f"- **Single stream:** {single.output_throughput:.1f} output tok/s")
     if best is not None:
-        lines.append(f"- **Peak (knee):** {best['output_throughput']:.1f} output tok/s at concurrency "
-                     f"{int(best['concurrency'])}")
+        lines.append(f"- **Peak (knee):** {best.output_throughput:.1f} output tok/s at concurrency {best.concurrency}")
     else:
         lines.append("- **Peak (knee):** none: no level met the SLO")
     lines.append(f"- **Sweep ended:** {stop or 'after the last level'}")
@@ -67,13 +67,13 @@ def summary_markdown(df: pd.DataFrame, title: str, facts: dict[str, str], stop: 
     return "\n".join(lines)
 
 
-def save_results(rows: list[dict], results_dir: Path, title: str, facts: dict[str, str],
+def save_results(results: list[LevelResult], results_dir: Path, title: str, facts: dict[str, str],
                  stop: str | None) -> tuple[pd.DataFrame, str]:
     """results.csv, chart.png and summary.md next to the per-level JSON files."""
-    df = bench_table(rows)
+    df = bench_table(results)
     results_dir.mkdir(parents=True, exist_ok=True)
     df.to_csv(results_dir / "results.csv", index=False)
     chart = write_chart(df, results_dir / "chart.png", title)
-    markdown = summary_markdown(df, title, facts, stop, chart)
+    markdown = summary_markdown(results, df, title, facts, stop, chart)
     (results_dir / "summary.md").write_text(markdown + "\n")
     return df, markdown

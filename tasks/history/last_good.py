@@ -7,8 +7,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
-from tasks.history import RunRecord
-from tasks.server import ServerConfig, serving_group
+from tasks.history.runs import RunRecord
+from tasks.vllm.process import serving_group
+from tasks.vllm.settings import ServerConfig
 
 
 class LastGood(BaseModel):

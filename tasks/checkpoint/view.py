@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Callable
 
 import orjson
 
+from tasks.checkpoint.headers import FileHeader, TensorMeta, read_int_values, read_local_header, read_remote_header
 from tasks.errors import CheckpointError
-from tasks.headers import FileHeader, TensorMeta, read_int_values, read_local_header, read_remote_header
 
 if TYPE_CHECKING:  # huggingface_hub costs 0.2 s of import that `rollout validate DIR` does without
     from tasks.hub import RepoSnapshot

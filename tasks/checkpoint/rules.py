@@ -8,21 +8,22 @@ shape error deep inside vLLM. Here the config is checked against the safetensors
 from __future__ import annotations
 
 import gc
-from bisect import bisect_right
 import re
+from bisect import bisect_right
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
-from itertools import accumulate, chain
 from dataclasses import dataclass, field
+from itertools import accumulate, chain
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tasks.checkpoint import CheckpointView, local_view, remote_view
+from tasks.checkpoint.headers import TensorMeta
+from tasks.checkpoint.view import CheckpointView, local_view, remote_view
 from tasks.errors import CheckpointError
-from tasks.headers import TensorMeta
+from tasks.findings import Violation
 
 if TYPE_CHECKING:  # the hub stack is imported where a repo id is validated, not for a local folder
     from tasks.hub import RepoSnapshot
@@ -67,12 +68,6 @@ class CompressedTensorsConfig(BaseModel):
     ignore: list[str] = Field(default_factory=list)
     kv_cache_scheme: dict | None = None
     quantization_status: str | None = None
-
-
-class Violation(BaseModel):
-    rule: str
-    module: str
-    message: str
 
 
 class ValidationReport(BaseModel):

@@ -148,8 +148,8 @@ def _int_struct(dtype: str, shape: tuple[int, ...]) -> struct.Struct | None:
 
 def read_remote_header(url: str, file: str, file_size: int, headers: dict[str, str]) -> FileHeader:
     """Two range requests: the 8-byte length, then exactly the header."""
-    from huggingface_hub.utils import get_session, hf_raise_for_status
     from huggingface_hub import constants
+    from huggingface_hub.utils import get_session, hf_raise_for_status
 
     session = get_session()
 

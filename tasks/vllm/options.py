@@ -6,7 +6,7 @@ vLLM's parser means importing vLLM and torch (~7 s), so it runs in a child proce
 version: the child also writes the parser's option table (flags and their choices), and later
 checks read that table in milliseconds.
 
-    python -m tasks.vllm_args TABLE_PATH ARGS...
+    python -m tasks.vllm.options TABLE_PATH ARGS...
 """
 
 from __future__ import annotations

@@ -1,0 +1,130 @@
+"""One level: requests at a set concurrency (or arrival rate), the client watching itself.
+
+The client watches its own event-loop lag and CPU share and flags a level where it, not the
+server, was the limit; /metrics is sampled beside the load for the server's side of the story.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+from openai import AsyncOpenAI, DefaultAioHttpClient
+
+from tasks.bench.client import RequestRecord, one_request, stamp_send
+from tasks.bench.metrics import ServerSamples, scrape, scrape_once
+from tasks.bench.prompts import arrival_offsets, level_prompts
+from tasks.bench.results import LevelResult, LevelRun, level_json, summarize
+from tasks.bench.spec import BenchSpec
+
+
+async def _watch_loop(lags: list[float], interval_s: float = 0.005) -> None:
+    """How late the loop wakes a sleeper: a busy client delays every chunk timestamp by as much."""
+    while True:
+        before = time.perf_counter()
+        await asyncio.sleep(interval_s)
+        lags.append(time.perf_counter() - before - interval_s)
+
+
+async def _run_level(base_url: str, model: str, spec: BenchSpec, concurrency: int, prompts: list,
+                     api_key: str | None, scrape_interval_s: float) -> LevelRun:
+    client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key=api_key or "EMPTY", max_retries=0,
+                         timeout=spec.request_timeout_s, http_client=DefaultAioHttpClient(timeout=spec.request_timeout_s,
+                                                                 event_hooks={"request": [stamp_send]}))
+    gate = asyncio.Semaphore(concurrency)
+    offsets = arrival_offsets(len(prompts), spec.request_rate, spec.burstiness, spec.seed + concurrency)
+
+    async def bounded(prompt, level_start: float) -> RequestRecord:
+        async with gate:
+            return await one_request(client, spec, model, prompt, spec.output_len, level_start)
+
+    async def launch(level_start: float) -> list[RequestRecord]:
+        started = []
+        for prompt, at in zip(prompts, offsets):
+            if (delay := level_start + at - time.perf_counter()) > 0:
+                await asyncio.sleep(delay)
+            started.append(asyncio.create_task(bounded(prompt, level_start)))
+            # Yield once: aiohttp writes a request's body from a task of its own, so without this a
+            # burst of N builds every request before sending any, and the first waits for all.
+            await asyncio.sleep(0)
+        return list(await asyncio.gather(*started))
+
+    server, lags = ServerSamples(), []
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(timeout=5.0, headers=headers) as http:
+        try:
+            # Warm-up, not measured: one short request per slot opens every pooled connection, so the
+            # level's TTFT is the server's, not TCP and task start-up on the first wave.
+            await asyncio.gather(*(one_request(client, spec, model, prompts[0], 2, time.perf_counter())
+                                   for _ in range(concurrency)))
+            watchers = [asyncio.create_task(_watch_loop(lags)),
+                        asyncio.create_task(scrape(http, f"{base_url}/metrics", server, scrape_interval_s))]
+            cpu, start = time.process_time(), time.perf_counter()
+            records = await launch(start)
+            duration, cpu = time.perf_counter() - start, time.process_time() - cpu
+            for watcher in watchers:
+                watcher.cancel()
+            for outcome in await asyncio.gather(*watchers, return_exceptions=True):
+                if not isinstance(outcome, (asyncio.CancelledError, type(None))):
+                    raise outcome  # a signal (Prefect's cancellation) that landed in a watcher
+            await scrape_once(http, f"{base_url}/metrics", server)
+        finally:
+            await client.close()
+    return LevelRun(records, duration, lags, cpu, server)
+
+
+def _run_async(coro):
+    """Run on uvloop where available, and let SIGTERM (Prefect's cancellation) end the level.
+
+    uvloop runs Python signal handlers inside loop callbacks and swallows what they raise, so
+    Prefect's SIGTERM handler would be lost mid-level and the runner would SIGKILL the flow, host
+    lock and all. In the main thread the loop itself takes SIGTERM: it cancels the level, and once
+    the loop is gone the signal is raised again for the handler that was there before.
+    """
+    try:
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    except ImportError:
+        factory = None
+    signalled: list[int] = []
+    in_main = threading.current_thread() is threading.main_thread()
+
+    async def guarded():
+        if not in_main:
+            return await coro
+        loop, level = asyncio.get_running_loop(), asyncio.current_task()
+        loop.add_signal_handler(signal.SIGTERM, lambda: (signalled.append(signal.SIGTERM), level.cancel()))
+        try:
+            return await coro
+        finally:
+            loop.remove_signal_handler(signal.SIGTERM)
+
+    previous = signal.getsignal(signal.SIGTERM) if in_main else None
+    try:
+        with asyncio.Runner(loop_factory=factory) as runner:
+            return runner.run(guarded())
+    finally:
+        if in_main:
+            if previous is not None:  # remove_signal_handler leaves SIG_DFL behind
+                signal.signal(signal.SIGTERM, previous)
+            if signalled:
+                signal.raise_signal(signal.SIGTERM)
+
+
+def run_level(base_url: str, model: str, spec: BenchSpec, concurrency: int, vocab_size: int | None = None,
+              tokenizer: str | Path | None = None, api_key: str | None = None, results_dir: Path | None = None,
+              scrape_interval_s: float = 0.2) -> LevelResult:
+    """One level, at most `concurrency` in flight; its JSON goes to results_dir."""
+    prompts = level_prompts(spec, concurrency, vocab_size, tokenizer)
+    run = _run_async(_run_level(base_url, model, spec, concurrency, prompts, api_key, scrape_interval_s))
+    result = summarize(concurrency, run, spec)
+    if results_dir is not None:
+        results_dir.mkdir(parents=True, exist_ok=True)
+        (results_dir / f"level-c{concurrency:04d}.json").write_text(json.dumps(level_json(result, run, model, spec)))
+    return result

@@ -1,0 +1,53 @@
+"""vLLM's /metrics during a level: what the server's scheduler saw while the client measured."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+
+@dataclass
+class ServerSamples:
+    """/metrics during a level: what vLLM's scheduler saw while our client measured."""
+
+    running: list[float] = field(default_factory=list)
+    waiting: list[float] = field(default_factory=list)
+    kv_usage: list[float] = field(default_factory=list)
+    generated: list[float] = field(default_factory=list)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Sums per metric over label sets (engines, models): one server's totals."""
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
+
+
+async def scrape(http: httpx.AsyncClient, url: str, samples: ServerSamples, interval_s: float) -> None:
+    while True:
+        try:
+            response = await http.get(url)
+            if response.status_code != 200:
+                return  # not a vLLM server: no server-side view
+            values = parse_metrics(response.text)
+        except (httpx.HTTPError, ValueError):
+            return
+        samples.running.append(values.get("vllm:num_requests_running", 0.0))
+        samples.waiting.append(values.get("vllm:num_requests_waiting", 0.0))
+        samples.kv_usage.append(values.get("vllm:kv_cache_usage_perc", values.get("vllm:gpu_cache_usage_perc", 0.0)))
+        samples.generated.append(values.get("vllm:generation_tokens_total", 0.0))
+        await asyncio.sleep(interval_s)
+
+
+async def scrape_once(http: httpx.AsyncClient, url: str, samples: ServerSamples) -> None:
+    """The counter's value after the last request, so the level's generated tokens are complete."""
+    if samples.generated:
+        try:
+            samples.generated.append(parse_metrics((await http.get(url)).text).get("vllm:generation_tokens_total", 0.0))
+        except (httpx.HTTPError, ValueError):
+            pass

@@ -1,0 +1,53 @@
+"""How to load the server and how far to sweep: the benchmark's part of every form and CLI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+
+class BenchSpec(BaseModel):
+    """How to load the server and how far to sweep; the Prefect UI renders this as a form."""
+
+    api: Literal["completions", "chat"] = Field("completions", description="OpenAI endpoint to stream from")
+    concurrency_levels: list[int] = Field([1, 2, 4, 8, 16, 32, 64, 128, 256], min_length=1,
+                                          description="Requests in flight per level, swept in order")
+    min_throughput_gain: float | None = Field(
+        0.05, ge=0, description="Stop when a level adds less than this share of throughput; empty: never")
+    requests_per_level: int = Field(64, ge=1, description="Requests per level (at least the level's concurrency)")
+    request_rate: float | None = Field(None, gt=0, description="Poisson arrivals per second; empty: all at once")
+    burstiness: float = Field(1.0, gt=0, description="Gamma shape of arrivals: 1 Poisson, <1 burstier, >1 steadier")
+    input_len: int = Field(1024, ge=1, description="Prompt tokens per request")
+    output_len: int = Field(256, ge=2, description="Output tokens per request (ignore_eos makes it exact)")
+    dataset: Path | None = Field(None, description="JSONL file of {\"prompt\": text} used instead of random prompts")
+    seed: int = Field(0, description="Prompt and arrival seed")
+    slo_ttft_ms: float | None = Field(None, gt=0, description="Goodput SLO: time to first token")
+    slo_tpot_ms: float | None = Field(None, gt=0, description="Goodput SLO: time per output token")
+    slo_e2el_ms: float | None = Field(None, gt=0, description="Goodput SLO: end-to-end latency")
+    slo_attainment: float = Field(0.99, gt=0, le=1, description="Share of requests within SLO for a level to pass")
+    continuous_usage: bool = Field(True, description="Ask for per-chunk usage (vLLM); off for servers that reject it")
+    max_loop_lag_ms: float = Field(10.0, gt=0, description="Client event-loop lag (p99) above which a level is flagged")
+    request_timeout_s: float = Field(600.0, gt=0, description="Deadline per request")
+
+    @field_validator("concurrency_levels")
+    @classmethod
+    def _positive_levels(cls, levels: list[int]) -> list[int]:
+        if any(c < 1 for c in levels):
+            raise ValueError("every concurrency level must be >= 1")
+        return sorted(set(levels))
+
+    @property
+    def slos_ms(self) -> dict[str, float]:
+        slos = {"ttft": self.slo_ttft_ms, "tpot": self.slo_tpot_ms, "e2el": self.slo_e2el_ms}
+        return {k: v for k, v in slos.items() if v is not None}
+
+
+def geometric_levels(max_concurrency: int, factor: int = 2) -> list[int]:
+    """1, factor, factor^2, ... up to max_concurrency, which is always the last level."""
+    levels, c = [], 1
+    while c < max_concurrency:
+        levels.append(c)
+        c *= factor
+    return levels + [max_concurrency]

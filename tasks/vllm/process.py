@@ -1,0 +1,161 @@
+"""vLLM as a child process in its own session, so its whole process group can be found and stopped.
+
+The group holds the API server and the engine and worker processes it spawns (VLLM::EngineCore,
+VLLM::Worker_*). Stopping signals the whole group; a state file under the run directory lets a
+later run reap a server that a crashed run left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tasks.errors import ServerStartError
+from tasks.vllm.command import build_command, check_arguments
+from tasks.vllm.settings import ServerConfig
+
+
+@dataclass
+class ServerHandle:
+    pid: int
+    pgid: int
+    base_url: str
+    log_path: Path
+    state_file: Path
+    command: list[str]
+    process: subprocess.Popen | None = None  # None when reattached from a state file
+    startup_s: float | None = None
+    api_key: str | None = field(default=None, repr=False)  # never in the state file, logs or artifacts
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def ensure_port_free(host: str, port: int) -> None:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise ServerStartError(f"port {host}:{port} is already in use", "port-in-use", "") from exc
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes in a process group, read from /proc."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
+def start_server(cfg: ServerConfig, run_dir: Path, api_key: str | None = None) -> ServerHandle:
+    """Launch vLLM in a new session; the state file is written before anything can fail later."""
+    if not cfg.model_path.is_dir():
+        raise ServerStartError(f"model path {cfg.model_path} does not exist", "model-path-missing", "")
+    port = cfg.port or _free_port(cfg.host)
+    ensure_port_free(cfg.host, port)
+    command = build_command(cfg, port)
+    check_arguments(command, run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log_path = run_dir / "vllm.log"
+    env = {**os.environ, **cfg.env}
+    if api_key:
+        env["VLLM_API_KEY"] = api_key  # vLLM reads it there; on the command line it would show in ps
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+        )
+    handle = ServerHandle(
+        pid=proc.pid, pgid=proc.pid, base_url=f"http://{cfg.host}:{port}", log_path=log_path,
+        state_file=run_dir / "server.json", command=command, process=proc, api_key=api_key,
+    )
+    handle.state_file.write_text(json.dumps({"pid": handle.pid, "pgid": handle.pgid, "base_url": handle.base_url,
+                                             "log_path": str(log_path), "command": command}))
+    return handle
+
+
+def stop_group(pgid: int, grace_s: float = 20.0) -> None:
+    """SIGTERM the group, SIGKILL what is left after the grace period, and check nothing remains."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if not group_members(pgid):
+                return
+            time.sleep(0.2)
+    left = group_members(pgid)
+    if left:
+        raise RuntimeError(f"processes {left} of vLLM group {pgid} survived SIGKILL")
+
+
+def stop_server(handle: ServerHandle, grace_s: float = 20.0) -> None:
+    stop_group(handle.pgid, grace_s)
+    if handle.process is not None:
+        handle.process.wait(timeout=10)
+    handle.state_file.unlink(missing_ok=True)
+
+
+def _live_state(state_file: Path) -> dict | None:
+    """The state file's record while its process group still runs vLLM; None otherwise."""
+    try:
+        state = json.loads(state_file.read_text())
+        pgid = int(state["pgid"])
+    except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+        return None
+    # Only a group that still runs vLLM: a recycled pgid must not take an unrelated process down.
+    # Orphaned children carry vLLM's process titles (VLLM::EngineCore, VLLM::Worker_TP0), not our command.
+    live = group_members(pgid)
+    return state if live and any(b"vllm" in _cmdline(pid).lower() for pid in live) else None
+
+
+def reap_stale(state_file: Path, grace_s: float = 20.0, keep_pgid: int | None = None) -> int | None:
+    """Stop a server recorded by an earlier run that did not stop it; returns its pgid if one was found.
+
+    `keep_pgid` is the group serving the host's current deployment: that one is not stale.
+    """
+    state = _live_state(state_file)
+    if state is not None and int(state["pgid"]) == keep_pgid:
+        return None
+    if state is not None:
+        stop_group(int(state["pgid"]), grace_s)
+    state_file.unlink(missing_ok=True)
+    return int(state["pgid"]) if state else None
+
+
+def serving_group(state_file: Path) -> int | None:
+    """The pgid of the vLLM recorded in the state file, while it still runs."""
+    state = _live_state(state_file)
+    return int(state["pgid"]) if state else None
+
+
+def served_model(state_file: Path) -> Path | None:
+    """The --model of the vLLM recorded in the state file, while its process group still runs."""
+    state = _live_state(state_file)
+    command = state.get("command", []) if state else []
+    return Path(command[command.index("--model") + 1]) if "--model" in command else None
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
