@@ -16,8 +16,13 @@ from pathlib import Path  # noqa: E402
 from typing import TYPE_CHECKING, Annotated, Optional  # noqa: E402
 
 import typer  # noqa: E402
+from pydantic import ValidationError  # noqa: E402
 
-from tasks.errors import BenchConfigError, RolloutError, UnusableInput, first_line  # noqa: E402 (imports nothing)
+from flows.options import BadOption, Group, with_options  # noqa: E402
+from tasks.bench.spec import BenchSpec  # noqa: E402
+from tasks.deployment.config import DeployConfig  # noqa: E402
+from tasks.errors import BenchConfigError, RolloutError, UnusableInput, first_line  # noqa: E402 
+from tasks.vllm.settings import VllmSettings  # noqa: E402
 
 if TYPE_CHECKING:  # the commands import their stages when they run: `rollout --help` stays instant
     from tasks.bench.results import LevelResult
@@ -25,30 +30,26 @@ if TYPE_CHECKING:  # the commands import their stages when they run: `rollout --
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
-DEFAULT_LEVELS = "1,2,4,8,16,32,64,128,256"
-Concurrency = Annotated[str, typer.Option(help="Comma-separated levels, swept until saturation")]
-RequestsPerLevel = Annotated[int, typer.Option(help="Requests per level (at least the level's concurrency)")]
-InputLen = Annotated[int, typer.Option(help="Prompt tokens per request")]
-OutputLen = Annotated[int, typer.Option(help="Output tokens per request (exact: ignore_eos)")]
 RepoId = Annotated[str, typer.Argument(help="Hub repo, e.g. moonshotai/Kimi-K2.5")]
-Endpoint = Annotated[Optional[str], typer.Option(help="Hub URL; default HF_ENDPOINT or huggingface.co")]
-Evict = Annotated[bool, typer.Option("--evict/--dry-run", help="Delete what the disk plan lists, or only plan")]
-Pin = Annotated[Optional[list[str]], typer.Option(help="Model never evicted (repo id, repo@commit, folder)")]
-HfTokenSecret = Annotated[Optional[str], typer.Option(help="Prefect Secret block with the HF token")]
+
+# The run form, the engine and the load, each field an option (flows/options.py); the engine's
+# defaults are the form's (expert parallelism on), not VllmSettings' own.
+STAGE = Group(DeployConfig, "Staging", only=("revision", "models_root", "hub_endpoint", "hf_token_secret", "disk_margin_gb",
+                                  "evict", "pinned_models", "max_parallel_downloads"))
+FORM = Group(DeployConfig, "Deployment", skip=("repo_id", "vllm", "bench"))
+ENGINE = Group(VllmSettings, "vLLM engine", defaults=DeployConfig.model_fields["vllm"].get_default(call_default_factory=True))
+LOAD = Group(BenchSpec, "Benchmark")
 
 
-def _levels(text: str) -> list[int]:
+def _from_options(group: Group, options: dict, **fields):
+    """The group's model from the command's options; a bad value is one line naming it, exit 2."""
     try:
-        return [int(c) for c in text.split(",") if c.strip()]
-    except ValueError as exc:
-        typer.echo(f"error: bad option --concurrency {text!r}: {exc}", err=True)
-        raise typer.Exit(2)
-
-
-def _bad_option(exc) -> None:
-    """A pydantic error as one line naming the field, exit 2: nothing has started."""
-    err = exc.errors()[0]
-    typer.echo(f"error: bad option {'.'.join(str(p) for p in err['loc'])}: {err['msg']}", err=True)
+        return group.model(**group.values(options), **fields)
+    except BadOption as exc:
+        typer.echo(f"error: {exc}", err=True)
+    except ValidationError as exc:  # nothing has started
+        err = exc.errors()[0]
+        typer.echo(f"error: bad option {'.'.join(str(p) for p in err['loc'])}: {err['msg']}", err=True)
     raise typer.Exit(2)
 
 
@@ -145,32 +146,21 @@ def validate(
 
 
 @app.command()
+@with_options(STAGE)
 def prepare(
     repo_id: RepoId,
-    revision: str = "main",
-    endpoint: Endpoint = None,
-    models_root: Path = Path("/models"),
-    evict: Evict = False,
-    pin: Pin = None,
-    hf_token_secret: HfTokenSecret = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the prepared model as JSON")] = False,
+    **options,
 ) -> None:
     """Stage a model without touching the GPUs: resolve, disk plan, fetch, validate (prepare-model).
 
     Tonight's model, downloaded and checked in the afternoon, so the nightly only swaps servers.
     """
-    from pydantic import ValidationError
-
     from flows.deploy import prepare_model
-    from tasks.deployment import DeployConfig
 
     _exit_on_sigterm()
-    try:
-        config = DeployConfig(repo_id=repo_id, revision=revision, hub_endpoint=endpoint, models_root=models_root,
-                              evict=evict, pinned_models=pin or [], hf_token_secret=hf_token_secret)
-    except ValidationError as exc:
-        _bad_option(exc)
-    _check_hub(repo_id, revision, endpoint)
+    config = _from_options(STAGE, options, repo_id=repo_id)
+    _check_hub(config.repo_id, config.revision, config.hub_endpoint)
     try:
         prepared = prepare_model(config)
     except Exception as exc:
@@ -185,109 +175,58 @@ def prepare(
 
 
 @app.command()
-def deploy(
-    repo_id: RepoId,
-    revision: str = "main",
-    endpoint: Endpoint = None,
-    models_root: Path = Path("/models"),
-    tp: Annotated[int, typer.Option("--tp", help="Tensor parallel size")] = 1,
-    expert_parallel: Annotated[bool, typer.Option("--ep/--no-ep", help="Expert parallelism")] = True,
-    max_model_len: Optional[int] = None,
-    port: int = 8000,
-    concurrency: Concurrency = DEFAULT_LEVELS,
-    requests_per_level: RequestsPerLevel = 64,
-    input_len: InputLen = 1024,
-    output_len: OutputLen = 256,
-    vllm_arg: Annotated[Optional[list[str]], typer.Option(help="Extra vLLM flag, repeatable")] = None,
-    evict: Evict = False,
-    pin: Pin = None,
-    hf_token_secret: HfTokenSecret = None,
-    keep_serving: Annotated[bool, typer.Option("--keep-serving/--stop-after-bench",
-                                               help="Leave the new server serving, or stop it after the benchmark")
-                            ] = True,
-    max_regression: Annotated[Optional[float], typer.Option(
-        help="Roll back when tok/s falls by more than this fraction against the last good deploy")] = 0.1,
-) -> None:
+@with_options(FORM, ENGINE, LOAD)
+def deploy(repo_id: RepoId, **options) -> None:
     """Fetch, validate, serve and benchmark a model (the deploy-model flow, run here).
 
     A server that serves the host's last good deployment keeps serving while the new model downloads;
-    a failure after it was stopped restarts it.
+    a failure after it was stopped restarts it. Every field of the run form, the vLLM settings and the
+    benchmark is an option.
     """
-    from pydantic import ValidationError
-
     from flows.deploy import deploy_model
-    from tasks.bench.spec import BenchSpec
-    from tasks.deployment import DeployConfig
-    from tasks.vllm.settings import VllmSettings
 
     _exit_on_sigterm()
-    try:
-        config = DeployConfig(
-            repo_id=repo_id, revision=revision, hub_endpoint=endpoint, models_root=models_root, port=port,
-            vllm=VllmSettings(tensor_parallel_size=tp, enable_expert_parallel=expert_parallel,
-                              max_model_len=max_model_len, extra_args=vllm_arg or []),
-            bench=BenchSpec(concurrency_levels=_levels(concurrency), requests_per_level=requests_per_level,
-                            input_len=input_len, output_len=output_len),
-            evict=evict, pinned_models=pin or [], hf_token_secret=hf_token_secret,
-            keep_serving=keep_serving, max_regression=max_regression,
-        )
-    except ValidationError as exc:
-        _bad_option(exc)
-    _check_hub(repo_id, revision, endpoint)
+    config = _from_options(FORM, options, repo_id=repo_id, vllm=_from_options(ENGINE, options),
+                           bench=_from_options(LOAD, options))
+    _check_hub(config.repo_id, config.revision, config.hub_endpoint)
     try:
         result = deploy_model(config)
     except Exception as exc:
         _fail(exc)
     _print_table(result.results)
     if result.base_url:
-        typer.echo(f"\nserving {config.served_model_name or repo_id} at {result.base_url}/v1")
+        typer.echo(f"\nserving {config.served_model_name or config.repo_id} at {result.base_url}/v1")
 
 
 @app.command()
+@with_options(LOAD)
 def bench(
     base_url: Annotated[str, typer.Option(help="OpenAI-compatible server, e.g. http://gpu-host:8000")],
     model: Annotated[str, typer.Option(help="Model name as the server lists it in /v1/models")],
-    api: Annotated[str, typer.Option(help="completions or chat")] = "completions",
-    concurrency: Concurrency = DEFAULT_LEVELS,
     max_concurrency: Annotated[Optional[int], typer.Option(help="Sweep 1, 2, 4, ... up to this instead")] = None,
-    requests_per_level: RequestsPerLevel = 64,
-    input_len: InputLen = 1024,
-    output_len: OutputLen = 256,
-    request_rate: Annotated[Optional[float], typer.Option(help="Poisson arrivals per second")] = None,
-    burstiness: float = 1.0,
-    min_gain: Annotated[Optional[float], typer.Option(help="Stop when a level adds less throughput")] = 0.05,
-    slo_ttft_ms: Optional[float] = None,
-    slo_tpot_ms: Optional[float] = None,
-    slo_e2el_ms: Optional[float] = None,
     tokenizer: Annotated[Optional[Path], typer.Option(help="Tokenizer folder, for chat prompts")] = None,
     vocab_size: Annotated[Optional[int], typer.Option(help="Vocab size, for token-id prompts")] = None,
-    dataset: Annotated[Optional[Path], typer.Option(help="JSONL of {\"prompt\": text}")] = None,
     results_dir: Annotated[Optional[Path], typer.Option(help="Default: bench-results/<model>-<time>")] = None,
     api_key: Annotated[Optional[str], typer.Option(envvar="OPENAI_API_KEY", help="Server API key")] = None,
+    **options,
 ) -> None:
     """Sweep concurrency against any OpenAI-compatible server: no Prefect, no deploy."""
     from datetime import datetime, timezone
 
     import httpx
-    from pydantic import ValidationError
 
     from tasks.artifacts import model_slug
     from tasks.bench.load import run_level
     from tasks.bench.prompts import level_prompts
     from tasks.bench.report import save_results
-    from tasks.bench.spec import BenchSpec, geometric_levels
+    from tasks.bench.spec import geometric_levels
     from tasks.bench.sweep import sweep
 
+    if max_concurrency:
+        options["concurrency_levels"] = ",".join(map(str, geometric_levels(max_concurrency)))
+    spec = _from_options(LOAD, options)
     try:
-        spec = BenchSpec(
-            api=api, concurrency_levels=geometric_levels(max_concurrency) if max_concurrency else _levels(concurrency),
-            requests_per_level=requests_per_level, input_len=input_len, output_len=output_len,
-            request_rate=request_rate, burstiness=burstiness, min_throughput_gain=min_gain, dataset=dataset,
-            slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, slo_e2el_ms=slo_e2el_ms,
-        )
         level_prompts(spec, 1, vocab_size, tokenizer)
-    except ValidationError as exc:
-        _bad_option(exc)
     except BenchConfigError as exc:
         typer.echo(f"error: {exc} (--tokenizer, --vocab-size or --dataset)", err=True)
         raise typer.Exit(2)
@@ -314,7 +253,7 @@ def bench(
 
     stops: list[str] = []
     rows = sweep(spec, level, stops.append)
-    facts = {"Server": base_url, "Load": f"{api}, input {input_len}, output {output_len} tokens"}
+    facts = {"Server": base_url, "Load": f"{spec.api}, input {spec.input_len}, output {spec.output_len} tokens"}
     _, markdown = save_results(rows, out, f"Benchmark of {model}", facts, stops[0] if stops else None)
     typer.echo("")
     _print_table(rows)

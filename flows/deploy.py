@@ -18,8 +18,8 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from tasks.artifacts import FetchProgress, model_slug, publish_fetch, publish_rollback
 from tasks.bench.results import LevelResult
 from tasks.bench.sweep import sweep
-from tasks.deployment import (
-    DeployConfig,
+from tasks.deployment.config import DeployConfig
+from tasks.deployment.stages import (
     DeployResult,
     PreparedModel,
     bench_facts,

@@ -15,7 +15,7 @@ from tasks.artifacts import (
     publish_nightly_no_change,
     publish_nightly_unreachable,
 )
-from tasks.deployment import DeployConfig
+from tasks.deployment.config import DeployConfig
 from tasks.errors import HubUnreachable
 from tasks.history.last_good import read_last_good, serving_deployment
 from tasks.steps import hub_token, resolve_revision

@@ -31,7 +31,7 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 from huggingface_hub.file_download import repo_folder_name
-from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_stream_backoff
+from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
 from tasks.errors import ChecksumError, DiskSpaceError, HubError, HubUnreachable, IncompleteDownload
 
@@ -98,8 +98,8 @@ class RepoSnapshot:
 class FetchResult:
     path: str
     size: int
-    downloaded: int  # bytes that crossed the network in this call (0 when the blob was already there)
-    resumed_from: int  # bytes a previous try had left in the partial file
+    downloaded: int  # bytes that crossed the network in the try that finished it (0: the blob was there)
+    resumed_from: int  # bytes earlier tries, or an earlier run, had left in the partial file
     seconds: float
 
     @property
@@ -220,6 +220,7 @@ class _HashingFile:
     def truncate(self, size: int | None = None) -> int:
         """The download starts over when a server ignores the Range header; so does the hash."""
         size = self._fh.truncate(size)
+        self.resumed_from = min(self.resumed_from, size)
         self.hasher = _new_hasher(self._file)
         self._fh.seek(0)
         while (done := self._fh.tell()) < size and (chunk := self._fh.read(min(CHUNK, size - done))):
@@ -241,34 +242,37 @@ def _link(snapshot: RepoSnapshot, file: RepoFile, blob: Path, cache_dir: Path) -
     return pointer
 
 
-def _stream(url: str, sink: _HashingFile, file: RepoFile, resumes: int = 5) -> None:
-    """GET the rest of the file into sink, resuming in place after a reset or a short body.
+def _stream(url: str, sink: _HashingFile, file: RepoFile) -> None:
+    """One GET of the rest of the file into sink, from the bytes already on disk.
 
-    huggingface_hub's http_stream_backoff sends it (429 waits for Retry-After) and hf_raise_for_status
-    names the error. Chunks are written as the socket yields them: http_get re-buffers every 10 MiB
-    (a copy per byte, and up to 10 MiB lost on a reset), which the hash cannot afford on 2 cores.
-    Past these tries (0.5 ... 8 s apart) the task's retry takes over, from the bytes on disk.
+    A reset, a short body, a 5xx or a 429 ends this try with a transient error; the fetch task's
+    retries (tasks/steps.py) are the only retry budget, and each try resumes here. A 429's
+    Retry-After is waited out first, so the next try comes no sooner than the hub asked.
+    Chunks are written as the socket yields them: http_get re-buffers every 10 MiB (a copy per
+    byte, and up to 10 MiB lost on a reset), which the hash cannot afford on 2 cores.
     """
-    for attempt in range(resumes + 1):
-        start = sink.tell()
-        headers = build_hf_headers() | ({"Range": f"bytes={start}-"} if start else {})
-        try:
-            with http_stream_backoff("GET", url, headers=headers, timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT,
-                                     retry_on_exceptions=(), retry_on_status_codes=(408, 429)) as response:
-                hf_raise_for_status(response)
-                if start and response.status_code == 200:  # the server ignored the range: start over
-                    sink.truncate(0)
-                for chunk in response.iter_bytes():
-                    sink.write(chunk)
-        except HfHubHTTPError:
-            raise
-        except HTTPError:
-            if attempt == resumes:
-                raise
-        if sink.tell() >= file.size:
-            return
-        time.sleep(min(0.5 * 2**attempt, 8.0))
-    raise IncompleteDownload(f"{file.path}: stream ended at {sink.tell():,} of {file.size:,} bytes, {resumes} times")
+    start = sink.tell()
+    headers = build_hf_headers() | ({"Range": f"bytes={start}-"} if start else {})
+    with get_session().stream("GET", url, headers=headers, follow_redirects=True,
+                              timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT) as response:
+        if response.status_code == 429:
+            time.sleep(_retry_after_s(response.headers.get("Retry-After")))
+        hf_raise_for_status(response)
+        if start and response.status_code == 200:  # the server ignored the range: start over
+            sink.truncate(0)
+        for chunk in response.iter_bytes():
+            sink.write(chunk)
+    if sink.tell() < file.size:
+        raise IncompleteDownload(f"{file.path}: stream ended at {sink.tell():,} of {file.size:,} bytes; "
+                                 "the next try resumes there")
+
+
+def _retry_after_s(value: str | None, cap_s: float = 60.0) -> float:
+    """Retry-After in seconds (the hub sends seconds), capped so a bad header cannot stall a fetch."""
+    try:
+        return min(max(float(value), 0.0), cap_s) if value else 1.0
+    except ValueError:
+        return 1.0
 
 
 def fetch_file(snapshot: RepoSnapshot, file: RepoFile, cache_dir: Path, endpoint: str | None = None,
@@ -304,7 +308,7 @@ def fetch_file(snapshot: RepoSnapshot, file: RepoFile, cache_dir: Path, endpoint
                 if permanent:
                     part.unlink(missing_ok=True)
                     raise permanent from exc
-                raise  # 5xx, or 429 after huggingface_hub's own Retry-After waits: the task retries
+                raise  # 5xx or 429: the task retries
             except OSError as exc:
                 if exc.errno in _DISK_FULL:
                     done = fh.tell()

@@ -13,7 +13,6 @@ import pandas as pd
 from prefect import get_run_logger, task
 from prefect.blocks.system import Secret
 from prefect.cache_policies import NO_CACHE
-from prefect.tasks import exponential_backoff
 
 from tasks import artifacts
 from tasks.bench.load import run_level
@@ -71,8 +70,8 @@ def resolve_revision(repo_id: str, revision: str, endpoint: str | None = None) -
     name="fetch-file",
     task_run_name="fetch {file.path}",
     tags=["hub-download"],
-    retries=5,
-    retry_delay_seconds=exponential_backoff(backoff_factor=2),  # 2, 4, 8, 16, 32 s; each try resumes
+    retries=8,  # the fetch's one retry budget: every try resumes from the bytes on disk
+    retry_delay_seconds=[1, 2, 4, 8, 15, 30, 30, 30],
     retry_jitter_factor=0.5,
     retry_condition_fn=_retry_transient,
     cache_policy=NO_CACHE,  # the HF cache is the cache; a progress callback is not hashable anyway

@@ -10,11 +10,9 @@ import time
 import numpy as np
 import pytest
 
-from tasks.bench.client import RequestRecord
 from tasks.bench.load import _watch_loop, run_level
-from tasks.bench.metrics import ServerSamples
 from tasks.bench.prompts import arrival_offsets, level_prompts, make_prompts
-from tasks.bench.results import LevelResult, LevelRun, summarize
+from tasks.bench.results import LevelResult, LevelRun, RequestRecord, ServerSamples, summarize
 from tasks.bench.spec import BenchSpec, geometric_levels
 from tasks.bench.sweep import knee, stop_reason, sweep
 from tasks.errors import BenchConfigError

@@ -93,26 +93,27 @@ def test_fetch_pins_the_commit_verifies_and_a_rerun_downloads_nothing(hub, fetch
 
 
 @pytest.mark.parametrize("kind", ["reset", "close"])
-def test_connection_cut_mid_shard_resumes_from_the_bytes_received(hub, fetch_root, tmp_path, kind):
-    """A TCP reset, or a clean close short of Content-Length (a truncated body)."""
+def test_connection_cut_mid_shard_resumes_from_the_bytes_received(prefect_server, hub, fetch_root, tmp_path, kind):
+    """A TCP reset, or a clean close short of Content-Length (a truncated body): the task's next try."""
     snap = resolve_snapshot(REPO, "main", hub.endpoint)
     shard = _shard(snap, 0)
     hub.inject(shard.path, Fault(kind, after_bytes=CHUNK + CHUNK // 2))
-    result = fetch_file(snap, shard, tmp_path / "hub", hub.endpoint)
+    result = fetch.with_options(retry_delay_seconds=0.1, retry_jitter_factor=None)(
+        snap, shard, tmp_path / "hub", hub.endpoint)
     gets = [r for r in hub.requests if r.path == shard.path]
     # resumed from the bytes that arrived, not from 0
     assert len(gets) == 2 and gets[0].range_start == 0 and 0 < gets[1].range_start <= CHUNK + CHUNK // 2
-    assert result.downloaded == BIG_SIZE
+    assert result.resumed_from == gets[1].range_start and result.resumed_from + result.downloaded == BIG_SIZE
     assert_complete_or_absent(snap, tmp_path / "hub", fetch_root / REPO)
     assert (snapshot_dir(snap, tmp_path / "hub") / shard.path).exists()
 
 
-def test_429_waits_for_retry_after_then_fetches(hub, fetch_root, tmp_path):
+def test_429_waits_for_retry_after_then_fetches(prefect_server, hub, fetch_root, tmp_path):
     snap = resolve_snapshot(REPO, "main", hub.endpoint)
     shard = _shard(snap)
     hub.inject(shard.path, Fault("status", status=429, retry_after=1))
     started = time.monotonic()
-    fetch_file(snap, shard, tmp_path / "hub", hub.endpoint)
+    fetch.with_options(retry_delay_seconds=0, retry_jitter_factor=None)(snap, shard, tmp_path / "hub", hub.endpoint)
     assert time.monotonic() - started >= 1.0
     assert [r.status for r in hub.requests if r.path == shard.path] == [429, 200]
     assert_complete_or_absent(snap, tmp_path / "hub", fetch_root / REPO)

@@ -30,7 +30,7 @@ def build_demo_repos(hub_root: Path) -> None:
 def demo_config(endpoint: str, models_root: Path, **overrides):
     """The demo's DeployConfig; an override named like a VllmSettings or BenchSpec field goes there."""
     from tasks.bench.spec import BenchSpec
-    from tasks.deployment import DeployConfig
+    from tasks.deployment.config import DeployConfig
     from tasks.vllm.settings import VllmSettings
 
     vllm = dict(tensor_parallel_size=1, enable_expert_parallel=True, max_model_len=1024)

@@ -15,32 +15,13 @@ from __future__ import annotations
 
 import contextvars
 import time
-from dataclasses import dataclass, field
 
 import httpx
 import orjson
 from openai import APIStatusError, AsyncOpenAI
 
+from tasks.bench.results import RequestRecord
 from tasks.bench.spec import BenchSpec
-
-
-@dataclass
-class RequestRecord:
-    ok: bool
-    start_s: float  # since the level started
-    e2e_s: float
-    ttft_s: float | None = None
-    itl_s: list[float] = field(default_factory=list)
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    error: str | None = None
-
-    @property
-    def tpot_s(self) -> float | None:
-        if not self.ok or self.ttft_s is None or self.output_tokens < 2:
-            return None
-        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
-
 
 _SENT: contextvars.ContextVar[list[float]] = contextvars.ContextVar("sent")
 

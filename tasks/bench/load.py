@@ -16,10 +16,10 @@ from pathlib import Path
 import httpx
 from openai import AsyncOpenAI, DefaultAioHttpClient
 
-from tasks.bench.client import RequestRecord, one_request, stamp_send
-from tasks.bench.metrics import ServerSamples, scrape, scrape_once
+from tasks.bench.client import one_request, stamp_send
+from tasks.bench.metrics import scrape, scrape_once
 from tasks.bench.prompts import arrival_offsets, level_prompts
-from tasks.bench.results import LevelResult, LevelRun, level_json, summarize
+from tasks.bench.results import LevelResult, LevelRun, RequestRecord, ServerSamples, level_json, summarize
 from tasks.bench.spec import BenchSpec
 
 

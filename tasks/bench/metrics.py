@@ -3,20 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-
-@dataclass
-class ServerSamples:
-    """/metrics during a level: what vLLM's scheduler saw while our client measured."""
-
-    running: list[float] = field(default_factory=list)
-    waiting: list[float] = field(default_factory=list)
-    kv_usage: list[float] = field(default_factory=list)
-    generated: list[float] = field(default_factory=list)
+from tasks.bench.results import ServerSamples
 
 
 def parse_metrics(text: str) -> dict[str, float]:

@@ -7,18 +7,46 @@ theirs key for key.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Literal
 
 import numpy as np
 from pydantic import BaseModel, model_serializer
 
-from tasks.bench.client import RequestRecord
-from tasks.bench.metrics import ServerSamples
 from tasks.bench.spec import BenchSpec
 
 LATENCIES = ("ttft", "tpot", "itl", "e2el")
+
+
+@dataclass
+class RequestRecord:
+    """What one request measured; times in seconds."""
+
+    ok: bool
+    start_s: float  # since the level started
+    e2e_s: float
+    ttft_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def tpot_s(self) -> float | None:
+        if not self.ok or self.ttft_s is None or self.output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+@dataclass
+class ServerSamples:
+    """/metrics during a level: what vLLM's scheduler saw while our client measured."""
+
+    running: list[float] = field(default_factory=list)
+    waiting: list[float] = field(default_factory=list)
+    kv_usage: list[float] = field(default_factory=list)
+    generated: list[float] = field(default_factory=list)
 
 
 @dataclass
