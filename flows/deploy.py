@@ -50,6 +50,7 @@ from tasks.steps import (
     publish_results,
     resolve_revision,
     start_vllm,
+    stop_serving,
     stop_vllm,
     validate_local,
     validate_remote,
@@ -149,9 +150,8 @@ def deploy_model(config: DeployConfig) -> DeployResult:
             for warning in check_gpus(gpu, hardware_plan(config, prepared), config.repo_id):
                 logger.warning("%s: %s", warning.rule, warning.message)
         server = server_config(config, prepared, gpu.platform)
-        if previous is not None:  # the GPUs hold one model at a time: from here a failure restores it
-            reap_stale(config.run_dir / "server.json")
-            logger.info("stopped the serving %s@%s to start the new one", previous.repo_id, previous.commit[:12])
+        if previous is not None:  # from here a failure restores it
+            stop_serving(config.run_dir, f"{previous.repo_id}@{previous.commit[:12]}")
         try:
             handle, record, rows = _serve_and_bench(config, prepared, gpu, server,
                                                     comparable(previous or read_last_good(config.run_dir),

@@ -19,13 +19,14 @@ from tasks.bench.load import run_level
 from tasks.bench.report import save_results
 from tasks.bench.results import LevelResult
 from tasks.bench.spec import BenchSpec
-from tasks.checkpoint.rules import ValidationReport, Violation, validate_checkpoint, validate_snapshot
+from tasks.checkpoint.rules import ValidationReport, validate_checkpoint, validate_snapshot
 from tasks.disk import DiskPlan, EvictionResult, check_plan, evict, plan_space
 from tasks.errors import GpuConfigError, ServerStartError, ValidationFailed
+from tasks.findings import Violation
 from tasks.gpu import GpuProbe, HardwarePlan, check_hardware, hardware_warnings, probe
 from tasks.history.runs import RunRecord
 from tasks.hub import FetchResult, RepoFile, RepoSnapshot, fetch_file, is_transient, resolve_snapshot
-from tasks.vllm.process import ServerHandle, stop_server
+from tasks.vllm.process import ServerHandle, reap_stale, stop_server
 from tasks.vllm.readiness import running_facts, start_and_wait
 from tasks.vllm.settings import ServerConfig
 
@@ -157,6 +158,12 @@ def start_vllm(cfg: ServerConfig, run_dir: Path, timeout_s: float, api_key_secre
 @task(name="stop-vllm", tags=["vllm"], cache_policy=NO_CACHE)
 def stop_vllm(handle: ServerHandle) -> None:
     stop_server(handle)
+
+
+@task(name="stop-serving", task_run_name="stop {what}", tags=["vllm"], cache_policy=NO_CACHE)
+def stop_serving(run_dir: Path, what: str) -> None:
+    """The host's current server, stopped so the new model gets the GPUs (one model at a time)."""
+    reap_stale(run_dir / "server.json")
 
 
 # Benchmark and history

@@ -21,7 +21,7 @@ CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 def _config(model_dir, **kw) -> ServerConfig:
     return ServerConfig(model_path=model_dir, served_model_name="tiny", port=0, max_model_len=1024,
-                        enable_expert_parallel=True, env=CPU_ENV, **kw)
+                        enable_expert_parallel=True, enforce_eager=True, env=CPU_ENV, **kw)
 
 
 def test_kill_9_of_the_leader_then_the_reaper_leaves_no_process(hub_root, tmp_path):

@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 from flows.cli import app
 from flows.demo import BF16_REPO, INT4_REPO
 from flows.demo.checkpoint import quantization_config
-from tasks.checkpoint.rules import IgnoreMatcher, engine_names, match_name, validate_checkpoint, validate_remote
+from tasks.checkpoint.names import IgnoreMatcher, engine_names, match_name
+from tasks.checkpoint.rules import validate_checkpoint, validate_remote
 from tasks.errors import CheckpointError
 from testkit.faulty_hub import FaultyHub
 from testkit.sparse import write_sparse_kimi

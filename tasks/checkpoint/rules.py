@@ -11,18 +11,18 @@ import gc
 import re
 from bisect import bisect_right
 from collections import Counter, defaultdict
-from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import accumulate, chain
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field
 
 from tasks.checkpoint.headers import TensorMeta
+from tasks.checkpoint.names import PART_TO_FUSED, IgnoreMatcher, engine_names, match_name
+from tasks.checkpoint.quant_config import CompressedTensorsConfig, ConfigGroup, QuantArgs, parse_quant_config
 from tasks.checkpoint.view import CheckpointView, local_view, remote_view
-from tasks.errors import CheckpointError
 from tasks.findings import Violation
 
 if TYPE_CHECKING:  # the hub stack is imported where a repo id is validated, not for a local folder
@@ -34,40 +34,6 @@ PACKED_PARAMS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_p
 EMBEDDING_NAMES = {"embed_tokens", "wte", "wpe", "word_embeddings", "tok_embeddings", "embed_positions"}
 # Towers the quantizer may skip without naming them: the engine builds them without the quant config.
 UNSCOPED_PARTS = {"vision_tower", "visual", "vision_model", "mm_projector", "multi_modal_projector", "audio_tower"}
-# vLLM's fused modules and their stored parts; an ignore entry may name either.
-FUSED_PARTS = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-    "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),
-}
-_PART_TO_FUSED = {part: fused for fused, parts in FUSED_PARTS.items() for part in parts}
-
-
-class QuantArgs(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    num_bits: int
-    type: Literal["int", "float"]
-    symmetric: bool = True
-    strategy: str
-    group_size: int | None = None
-
-
-class ConfigGroup(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    targets: list[str]
-    weights: QuantArgs | None = None
-    input_activations: QuantArgs | None = None
-    format: str | None = None
-
-
-class CompressedTensorsConfig(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    quant_method: Literal["compressed-tensors"]
-    format: str
-    config_groups: dict[str, ConfigGroup]
-    ignore: list[str] = Field(default_factory=list)
-    kv_cache_scheme: dict | None = None
-    quantization_status: str | None = None
 
 
 class ValidationReport(BaseModel):
@@ -99,89 +65,6 @@ class Module:
     @property
     def unquantized(self) -> bool:
         return "weight" in self.params
-
-
-def match_name(name: str, target: str) -> bool:
-    """compressed-tensors' rule: `re:` entries by re.match (anchored at the start), others exactly."""
-    if target.startswith("re:"):
-        return re.match(target.removeprefix("re:"), name) is not None
-    return target == name
-
-
-class IgnoreMatcher:
-    """match_name for every ignore entry over many names at once, with the same results.
-
-    A Kimi-sized checkpoint has ~70k modules and four names each. Each `re:` entry scans all names
-    joined by newlines in C to find the lines it may match, and each such line is then decided by
-    re.match on the name alone, so the scan may over-find but must never miss: entries whose
-    meaning the joined text could change (anchors, lookbehind, negative lookahead, inline flags)
-    fall back to one re.match per name.
-    """
-
-    def __init__(self, entries: list[str]):
-        self.exact = {e for e in entries if not e.startswith("re:")}
-        self.patterns = [(e, re.compile(e.removeprefix("re:"))) for e in entries if e.startswith("re:")]
-
-    @staticmethod
-    def _scanner(pattern: re.Pattern) -> re.Pattern | None:
-        body = pattern.pattern
-        if re.search(r"\\[AZz]|\(\?<|\(\?!", body):
-            return None
-        try:
-            if body.startswith(".*"):  # `.*X` matches a name that X is found in: search X (C's literal skip)
-                return re.compile(body[2:].removeprefix("?"), re.MULTILINE)
-            return re.compile(f"(?m)^(?=(?:{body}))")
-        except re.error:
-            return None
-
-    @staticmethod
-    def _lines(scanner: re.Pattern, text: str, line_starts: list[int]) -> Iterator[int]:
-        """Each line a scanner hit starts in, once; the search goes on at the next line."""
-        pos = 0
-        while (m := scanner.search(text, pos)) is not None:
-            line = bisect_right(line_starts, m.start()) - 1
-            yield line
-            if line + 1 == len(line_starts):
-                return
-            pos = line_starts[line + 1]
-
-    def hits(self, names: list[str]) -> dict[int, set[str]]:
-        """Index of each name that some entry matches -> the entries matching it."""
-        found: dict[int, set[str]] = defaultdict(set)
-        for i, n in enumerate(names):
-            if n in self.exact:
-                found[i].add(n)
-        if not names:
-            return found
-        text = "\n".join(names)
-        line_starts = list(accumulate((len(n) + 1 for n in names[:-1]), initial=0))
-        for entry, pattern in self.patterns:
-            scanner = self._scanner(pattern)
-            lines = range(len(names)) if scanner is None else self._lines(scanner, text, line_starts)
-            for i in lines:
-                if pattern.match(names[i]):
-                    found[i].add(entry)
-        return found
-
-
-def engine_names(name: str) -> list[str]:
-    """The names an ignore entry may be written against: as stored, as vLLM names it, fused."""
-    names = [name]
-    if name.startswith("language_model."):  # vLLM drops the wrapper for lm_head and friends
-        names.append(name.removeprefix("language_model."))
-    parent, _, leaf = name.rpartition(".")
-    if leaf in _PART_TO_FUSED:
-        names += [f"{n.rpartition('.')[0]}.{_PART_TO_FUSED[leaf]}" for n in list(names)]
-    return names
-
-
-def parse_quant_config(raw: dict, source: str) -> CompressedTensorsConfig:
-    try:
-        return CompressedTensorsConfig.model_validate(raw)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(p) for p in err["loc"])
-        raise CheckpointError(f"{source}: config.json: quantization_config.{where}: {err['msg']}") from exc
 
 
 def group_modules(tensors: dict[str, TensorMeta]) -> dict[str, Module]:
@@ -409,8 +292,8 @@ def _check_compressed_tensors(
     for k, (name, module) in enumerate(checked):
         hits = module_hits.get(k)
         leaf = name.rpartition(".")[2]
-        if leaf in _PART_TO_FUSED:
-            fused_ignored[f"{name.rpartition('.')[0]}.{_PART_TO_FUSED[leaf]}"][leaf] = bool(hits)
+        if leaf in PART_TO_FUSED:
+            fused_ignored[f"{name.rpartition('.')[0]}.{PART_TO_FUSED[leaf]}"][leaf] = bool(hits)
         params = module.params
         packed = params.get("weight_packed")
         if packed and "weight" in params:

@@ -32,6 +32,8 @@ class VllmSettings(BaseModel):
     max_num_batched_tokens: int | None = Field(None, ge=1, description="--max-num-batched-tokens")
     kv_cache_dtype: str = Field("auto", description="--kv-cache-dtype; fp8 fails on SM120 (RTX PRO 6000)")
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="--gpu-memory-utilization (0.9)")
+    enforce_eager: bool = Field(False, description="--enforce-eager: no torch.compile nor CUDA graphs; starts "
+                                "in seconds instead of a minute's compile, decodes slower")
     trust_remote_code: bool = Field(False, description="--trust-remote-code")
     extra_args: list[str] = Field(default_factory=list, description="Further vLLM flags, passed verbatim")
     env: dict[str, str] = Field(default_factory=dict, description="Environment for the vLLM process")
