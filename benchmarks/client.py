@@ -37,14 +37,24 @@ def ours(base_url: str, streams: int, output_len: int, continuous_usage: bool) -
     return run_level(base_url, "fake", spec, streams, vocab_size=1000).output_throughput
 
 
-def vllm_bench(base_url: str, streams: int, output_len: int, tokenizer: Path, out: Path) -> float:
+def vllm_bench(base_url: str, streams: int, output_len: int, tokenizer: Path, out: Path) -> float | str:
+    """The peer's output tok/s, or what went wrong in one line (the ratio is then not printed)."""
     args = ["--backend", "openai", "--base-url", base_url, "--model", "fake", "--tokenizer", str(tokenizer),
             "--dataset-name", "random", "--random-input-len", "16", "--random-output-len", str(output_len),
             "--num-prompts", str(streams), "--max-concurrency", str(streams), "--ignore-eos",
             "--num-warmups", str(streams), "--disable-tqdm", "--save-result", "--result-dir", str(out),
             "--result-filename", f"c{streams}.json"]
-    subprocess.run([sys.executable, "-c", VLLM_BENCH, *args], check=True, capture_output=True)
-    return json.loads((out / f"c{streams}.json").read_text())["output_throughput"]
+    done = subprocess.run([sys.executable, "-c", VLLM_BENCH, *args], capture_output=True, text=True)
+    saved = out / f"c{streams}.json"
+    if done.returncode != 0 or not saved.exists():
+        lines = (done.stderr or done.stdout).strip().splitlines()
+        return f"vllm bench serve exited {done.returncode}: {lines[-1] if lines else 'no output'}"
+    result = json.loads(saved.read_text())
+    if not result.get("completed"):
+        errors = [e for e in result.get("errors", []) if e]
+        return (f"vllm bench serve completed 0 of {streams} requests"
+                + (f": {errors[0].strip().splitlines()[-1]}" if errors else ""))
+    return result["output_throughput"]
 
 
 def main() -> None:
@@ -57,6 +67,10 @@ def main() -> None:
             plain = ours(server.base_url, streams, output_len, continuous_usage=False)
             usage = ours(server.base_url, streams, output_len, continuous_usage=True)
             peer = vllm_bench(server.base_url, streams, output_len, Path(tmp), Path(tmp))
+            if isinstance(peer, str):
+                print(f"{streams:7d}  {output_len:10d}  {plain:10,.0f}  {usage:16,.0f}  {'failed':>16}  {'-':>17}"
+                      f"\n         {peer}", flush=True)
+                continue
             print(f"{streams:7d}  {output_len:10d}  {plain:10,.0f}  {usage:16,.0f}  {peer:16,.0f}  {plain / peer:17.2f}", flush=True)
 
 

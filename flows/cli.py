@@ -216,7 +216,7 @@ def bench(
     import httpx
 
     from tasks.artifacts import model_slug
-    from tasks.bench.load import run_level
+    from tasks.bench.load import probe_prompts, run_level
     from tasks.bench.prompts import level_prompts
     from tasks.bench.report import save_results
     from tasks.bench.spec import geometric_levels
@@ -243,6 +243,14 @@ def bench(
     if model not in served:
         typer.echo(f"error: --model {model!r} is not served at {base_url}; it serves {', '.join(served)}", err=True)
         raise typer.Exit(1)
+    try:
+        probed = probe_prompts(base_url, model, spec, vocab_size, tokenizer, api_key)
+    except BenchConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+    if probed.token_id_prompts != spec.token_id_prompts:
+        typer.echo(f"{base_url} refuses token-id prompts: sending text, input lengths from its usage counts")
+    spec = probed
     out = results_dir or Path("bench-results") / f"{model_slug(model)}-{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}"
 
     def level(c: int) -> LevelResult:

@@ -12,6 +12,7 @@ import pytest
 
 from tasks.bench.load import _watch_loop, run_level
 from tasks.bench.prompts import arrival_offsets, level_prompts, make_prompts
+from tasks.bench.report import save_results
 from tasks.bench.results import LevelResult, LevelRun, RequestRecord, ServerSamples, summarize
 from tasks.bench.spec import BenchSpec, geometric_levels
 from tasks.bench.sweep import knee, stop_reason, sweep
@@ -183,6 +184,20 @@ def test_sweep_stops_when_the_slo_breaks_and_the_knee_stays_within_it():
             _level(4, 290.0, 8, within_slo=False, slo_attainment=0.5)]
     assert "SLO missed at concurrency 4 (50% of requests within)" == stop_reason(rows, 0.05)
     assert knee(rows).concurrency == 2
+
+
+def test_a_level_where_every_request_failed_is_reported_and_ends_the_sweep(tmp_path):
+    refused = RequestRecord(ok=False, start_s=0, e2e_s=0.01, error="HTTP500", message="HTTP500: engine dead")
+    good = summarize(1, _run([RequestRecord(ok=True, start_s=0, e2e_s=0.5, ttft_s=0.05, itl_s=[0.01], prompt_tokens=8,
+                                            output_tokens=2)]), SPEC)
+    dead = summarize(2, _run([refused] * 4), SPEC)
+    assert dead.completed == 0 and dead.output_throughput == 0 and "all-failed" in dead.flags
+    assert dead.first_error == "HTTP500: engine dead"
+    assert stop_reason([good, dead], 0.05) == "every request failed at concurrency 2: HTTP500: engine dead"
+    df, markdown = save_results([good, dead], tmp_path, "t", {}, stop_reason([good, dead], 0.05))
+    assert (tmp_path / "chart.png").read_bytes().startswith(b"\x89PNG")  # drawn from the level that has figures
+    assert "every request failed at concurrency 2" in markdown
+    save_results([dead], tmp_path / "none", "t", {}, None)  # nothing to draw: still no error
 
 
 def test_geometric_levels_end_at_the_maximum():

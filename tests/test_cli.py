@@ -1,5 +1,7 @@
 """Bad command-line input: one line naming the option, exit 2, nothing started."""
 
+import json
+
 import pytest
 from typer.testing import CliRunner
 
@@ -59,6 +61,37 @@ def test_bench_refuses_bad_input_in_one_line(args, code, expected, tmp_path):
         result = runner.invoke(app, ["bench", "--base-url", server.base_url, *args, "--results-dir", str(tmp_path)])
     assert result.exit_code == code
     assert expected in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("tokenizer", [False, True])
+def test_bench_sends_text_to_a_server_that_refuses_token_ids(tokenizer, hub_root, tmp_path):
+    from testkit.openai_server import StreamingServer
+
+    extra = ["--tokenizer", str(hub_root / "demo" / "tiny-moe")] if tokenizer else []
+    with StreamingServer(ttft_s=0.01, itl_s=0.002, rejects="token-ids") as server:
+        result = runner.invoke(app, ["bench", "--base-url", server.base_url, "--model", "fake", "--vocab-size", "1000",
+                                     "--input-len", "16", "--output-len", "8", "--requests-per-level", "4",
+                                     "--concurrency", "1,2", "--results-dir", str(tmp_path), *extra])
+    assert result.exit_code == 0, result.output + result.stderr
+    assert "refuses token-id prompts: sending text" in result.output
+    levels = [json.loads((tmp_path / f"level-c000{c}.json").read_text()) for c in (1, 2)]
+    assert all(level["completed"] == 4 and level["failed"] == 0 for level in levels)
+    assert all(level["total_input_tokens"] > 0 for level in levels)  # the server's own counts of the text
+
+
+@pytest.mark.parametrize("tokenizer", [False, True])
+def test_bench_against_a_server_that_refuses_everything_quotes_it_in_one_line(tokenizer, hub_root, tmp_path):
+    from testkit.openai_server import StreamingServer
+
+    extra = ["--tokenizer", str(hub_root / "demo" / "tiny-moe")] if tokenizer else []
+    with StreamingServer(rejects="all") as server:
+        result = runner.invoke(app, ["bench", "--base-url", server.base_url, "--model", "fake", "--vocab-size", "1000",
+                                     "--results-dir", str(tmp_path), *extra])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith(f"error: {server.base_url} refuses the benchmark's requests: HTTP400: model "
+                                    "'fake' is overloaded")
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output
     assert list(tmp_path.iterdir()) == []
 
 

@@ -38,6 +38,15 @@ def _error_class(exc: Exception) -> str:
     return type(exc).__name__
 
 
+def _error_message(exc: Exception) -> str:
+    """The server's own words, first line: what a user needs to see when every request fails."""
+    text = str(exc)
+    if isinstance(exc, APIStatusError):  # OpenAI's error body, {"error": {"message": ...}}, where it has one
+        error = exc.body.get("error", exc.body) if isinstance(exc.body, dict) else None
+        text = error.get("message") if isinstance(error, dict) and error.get("message") else exc.message
+    return f"{_error_class(exc)}: {(text or type(exc).__name__).splitlines()[0][:300]}"
+
+
 async def one_request(client: AsyncOpenAI, spec: BenchSpec, model: str, prompt, output_len: int,
                        level_start: float) -> RequestRecord:
     # The body rides in extra_body, past the client's typed transform: it walks every field, and a
@@ -61,7 +70,7 @@ async def one_request(client: AsyncOpenAI, spec: BenchSpec, model: str, prompt, 
                 stream.feed(data, time.perf_counter())
     except Exception as exc:  # every failure is counted by class, none aborts the level
         return RequestRecord(ok=False, start_s=queued - level_start, e2e_s=time.perf_counter() - queued,
-                             error=_error_class(exc))
+                             error=_error_class(exc), message=_error_message(exc))
     finally:
         _SENT.reset(sent)
     ok = stream.ttft is not None and stream.output_tokens > 0

@@ -21,6 +21,7 @@ from tasks.bench.metrics import scrape, scrape_once
 from tasks.bench.prompts import arrival_offsets, level_prompts
 from tasks.bench.results import LevelResult, LevelRun, RequestRecord, ServerSamples, level_json, summarize
 from tasks.bench.spec import BenchSpec
+from tasks.errors import BenchConfigError
 
 
 async def _watch_loop(lags: list[float], interval_s: float = 0.005) -> None:
@@ -31,11 +32,16 @@ async def _watch_loop(lags: list[float], interval_s: float = 0.005) -> None:
         lags.append(time.perf_counter() - before - interval_s)
 
 
+def _client(base_url: str, spec: BenchSpec, api_key: str | None) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=f"{base_url}/v1", api_key=api_key or "EMPTY", max_retries=0,
+                       timeout=spec.request_timeout_s,
+                       http_client=DefaultAioHttpClient(timeout=spec.request_timeout_s,
+                                                        event_hooks={"request": [stamp_send]}))
+
+
 async def _run_level(base_url: str, model: str, spec: BenchSpec, concurrency: int, prompts: list,
                      api_key: str | None, scrape_interval_s: float) -> LevelRun:
-    client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key=api_key or "EMPTY", max_retries=0,
-                         timeout=spec.request_timeout_s, http_client=DefaultAioHttpClient(timeout=spec.request_timeout_s,
-                                                                 event_hooks={"request": [stamp_send]}))
+    client = _client(base_url, spec, api_key)
     gate = asyncio.Semaphore(concurrency)
     offsets = arrival_offsets(len(prompts), spec.request_rate, spec.burstiness, spec.seed + concurrency)
 
@@ -128,3 +134,29 @@ def run_level(base_url: str, model: str, spec: BenchSpec, concurrency: int, voca
         results_dir.mkdir(parents=True, exist_ok=True)
         (results_dir / f"level-c{concurrency:04d}.json").write_text(json.dumps(level_json(result, run, model, spec)))
     return result
+
+
+def probe_prompts(base_url: str, model: str, spec: BenchSpec, vocab_size: int | None = None,
+                  tokenizer: str | Path | None = None, api_key: str | None = None) -> BenchSpec:
+    """The spec with the prompt form the server takes: token ids where it takes them (exact
+    lengths), else text. One short request each; a server that refuses both is a BenchConfigError
+    in its own words, before any level runs."""
+
+    async def one(candidate: BenchSpec) -> RequestRecord:
+        client = _client(base_url, candidate, api_key)
+        try:
+            prompt = level_prompts(candidate, 1, vocab_size, tokenizer)[0]
+            return await one_request(client, candidate, model, prompt, 2, time.perf_counter())
+        finally:
+            await client.close()
+
+    tried = [spec] + ([spec.model_copy(update={"token_id_prompts": False})]
+                      if spec.token_id_prompts and spec.api == "completions" and vocab_size is not None else [])
+    refusals = []
+    for candidate in tried:
+        record = _run_async(one(candidate))
+        if record.ok:
+            return candidate
+        refusals.append(record.message or record.error or "no output")
+    raise BenchConfigError(f"{base_url} refuses the benchmark's requests: {refusals[-1]}"
+                           + (f" (token-id prompts: {refusals[0]})" if len(refusals) > 1 else ""))

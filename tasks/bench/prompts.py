@@ -39,8 +39,10 @@ def level_prompts(spec: BenchSpec, concurrency: int, vocab_size: int | None,
         if not texts:
             raise BenchConfigError(f"{spec.dataset}: no prompts")
         return [texts[i % len(texts)] for i in range(count)]
-    if spec.api == "completions" and vocab_size is not None:
+    if spec.api == "completions" and vocab_size is not None and spec.token_id_prompts:
         return make_prompts(count, spec.input_len, vocab_size, seed)  # token ids: exact input lengths
+    if tokenizer is None and not spec.token_id_prompts:
+        return text_prompts(count, spec.input_len, seed)
     if tokenizer is None:
         raise BenchConfigError(f"{spec.api} prompts need the served model's tokenizer"
                                + (" (or its vocab size)" if spec.api == "completions" else "") + ", or a dataset")
@@ -49,7 +51,20 @@ def level_prompts(spec: BenchSpec, concurrency: int, vocab_size: int | None,
     except Exception as exc:  # a tokenizer that needs remote code, a missing file, ...
         raise BenchConfigError(f"tokenizer {tokenizer}: {type(exc).__name__}: {exc}".splitlines()[0]) from exc
     ids = make_prompts(count, spec.input_len, len(tok), seed)
-    return [tok.decode(p) for p in ids] if spec.api == "chat" else ids
+    return [tok.decode(p) for p in ids] if spec.api == "chat" or not spec.token_id_prompts else ids
+
+
+# Short common words: about one token each in any English BPE vocabulary.
+_WORDS = ("the model serves tokens over many experts while a router picks two of eight for each token and "
+          "attention keeps keys and values in a small cache on every device in the box during a long run at "
+          "high load so that users see their first word soon and the rest at an even pace").split()
+
+
+def text_prompts(count: int, input_len: int, seed: int) -> list[str]:
+    """Text of input_len words, different per prompt, for a server whose tokenizer is not at hand:
+    its own usage counts then say how many tokens each prompt was."""
+    rng = np.random.default_rng(seed)
+    return [" ".join(_WORDS[i] for i in rng.integers(0, len(_WORDS), input_len)) for _ in range(count)]
 
 
 def arrival_offsets(count: int, rate: float | None, burstiness: float, seed: int) -> np.ndarray:

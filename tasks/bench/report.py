@@ -19,8 +19,12 @@ def bench_table(results: list[LevelResult]) -> pd.DataFrame:
     return pd.DataFrame([r.model_dump() for r in results]).sort_values("concurrency").reset_index(drop=True)
 
 
-def write_chart(df: pd.DataFrame, path: Path, title: str) -> Path:
-    """Throughput and p99 latencies against concurrency: where the curve bends is the knee."""
+def write_chart(df: pd.DataFrame, path: Path, title: str) -> Path | None:
+    """Throughput and p99 latencies against concurrency: where the curve bends is the knee. A level
+    where every request failed has no figures to draw; with no other level there is no chart."""
+    df = df[df["completed"] > 0]
+    if df.empty:
+        return None
     import matplotlib
 
     matplotlib.use("Agg")  # no display on a GPU host or in CI

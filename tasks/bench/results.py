@@ -30,7 +30,8 @@ class RequestRecord:
     itl_s: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     output_tokens: int = 0
-    error: str | None = None
+    error: str | None = None  # the class, counted per level: HTTP400, ReadTimeout, NoContent
+    message: str | None = None  # the server's words for it, first line
 
     @property
     def tpot_s(self) -> float | None:
@@ -89,6 +90,7 @@ class LevelResult(BaseModel):
     completed: int
     failed: int
     errors: str = ""  # error class=count, for the failed requests
+    first_error: str = ""  # the first failure in the server's words
     duration: float
     total_input_tokens: int = 0
     total_output_tokens: int = 0
@@ -149,7 +151,8 @@ def summarize(concurrency: int, run: LevelRun, spec: BenchSpec) -> LevelResult:
         ("client-limited", lag_p99 > spec.max_loop_lag_ms or cpu_share > 0.9),
         ("queued", bool(s.waiting) and max(s.waiting) > 0),
         ("kv-cache-full", bool(s.kv_usage) and max(s.kv_usage) >= 0.99),
-        ("failures", len(records) > len(ok)),
+        ("all-failed", not ok),
+        ("failures", 0 < len(ok) < len(records)),
         ("slo-missed", within_slo is False),
     ) if hit)
     return LevelResult(
@@ -161,6 +164,7 @@ def summarize(concurrency: int, run: LevelRun, spec: BenchSpec) -> LevelResult:
         completed=len(ok),
         failed=len(records) - len(ok),
         errors=", ".join(f"{k}={v}" for k, v in sorted(errors.items())),
+        first_error=next((r.message or r.error or "" for r in records if not r.ok), ""),
         duration=duration,
         total_input_tokens=input_tokens,
         total_output_tokens=output_tokens,

@@ -22,6 +22,8 @@ class BenchSpec(BaseModel):
     input_len: int = Field(1024, ge=1, description="Prompt tokens per request")
     output_len: int = Field(256, ge=2, description="Output tokens per request (ignore_eos makes it exact)")
     dataset: Path | None = Field(None, description="JSONL file of {\"prompt\": text} used instead of random prompts")
+    token_id_prompts: bool = Field(True, description="Completions prompts as token ids (exact lengths); off sends "
+                                   "text, for servers that take only strings (lengths then from their usage counts)")
     seed: int = Field(0, description="Prompt and arrival seed")
     slo_ttft_ms: float | None = Field(None, gt=0, description="Goodput SLO: time to first token")
     slo_tpot_ms: float | None = Field(None, gt=0, description="Goodput SLO: time per output token")

@@ -9,7 +9,10 @@ from tasks.bench.spec import BenchSpec
 
 
 def stop_reason(results: list[LevelResult], min_gain: float | None) -> str | None:
-    """Why the sweep ends after the last level: an SLO broke, or throughput stopped growing."""
+    """Why the sweep ends after the last level: every request failed, an SLO broke, or throughput
+    stopped growing."""
+    if results and results[-1].completed == 0:
+        return f"every request failed at concurrency {results[-1].concurrency}: {results[-1].first_error}"
     if results and results[-1].within_slo is False:
         last = results[-1]
         return f"SLO missed at concurrency {last.concurrency} ({last.slo_attainment:.0%} of requests within)"

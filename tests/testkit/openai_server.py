@@ -6,6 +6,8 @@ accumulate), puts tokens_per_chunk tokens in each chunk, and runs at most `slots
 the rest wait, as a server's scheduler queue does, and /metrics reports both in vLLM's names. Chat
 streams open with a role-only chunk, as vLLM's do, which no honest TTFT counts. With itl_s 0 it
 sends as fast as it can (events_per_write events per write), to find a client's ingest ceiling.
+With `rejects` it refuses, as some OpenAI-compatible servers do, completions prompts given as token
+ids ("token-ids"), or every generation request ("all"), with a 400 in OpenAI's error format.
 
 A raw ASGI app on uvicorn in a child process: nothing between the socket and the loop but what the
 test asks for, and no share of the measuring client's interpreter.
@@ -30,8 +32,9 @@ def _event(payload: dict) -> bytes:
 
 class StreamingServer:
     def __init__(self, ttft_s: float = 0.0, itl_s: float = 0.0, tokens_per_chunk: int = 1,
-                 slots: int | None = None, events_per_write: int = 1, port: int = 0):
+                 slots: int | None = None, events_per_write: int = 1, port: int = 0, rejects: str | None = None):
         self.ttft_s, self.itl_s, self.tokens_per_chunk = ttft_s, itl_s, tokens_per_chunk
+        self.rejects = rejects
         self.events_per_write = events_per_write
         self.slots = slots
         self._gate = asyncio.Semaphore(slots) if slots else None
@@ -59,7 +62,14 @@ class StreamingServer:
         elif path == "/v1/models":
             await self._plain(send, json.dumps({"object": "list", "data": [{"id": "fake", "object": "model"}]}).encode())
         elif path in ("/v1/completions", "/v1/chat/completions"):
-            await self._stream(send, json.loads(body), chat=path.endswith("chat/completions"))
+            request = json.loads(body)
+            if self.rejects == "all" or (self.rejects == "token-ids" and not isinstance(request.get("prompt", ""), str)):
+                error = {"message": "this server takes only text: 'prompt' must be a string" if self.rejects != "all"
+                         else "model 'fake' is overloaded, try again later", "type": "invalid_request_error",
+                         "param": "prompt", "code": None}
+                await self._plain(send, json.dumps({"error": error}).encode(), status=400)
+                return
+            await self._stream(send, request, chat=path.endswith("chat/completions"))
         else:
             await self._plain(send, b"not found", status=404)
 
@@ -94,7 +104,8 @@ class StreamingServer:
     async def _send_tokens(self, send, body: dict, chat: bool) -> None:
         start = time.perf_counter()
         n = int(body.get("max_completion_tokens") or body["max_tokens"])
-        prompt_tokens = len(body["prompt"]) if not chat else sum(len(m["content"].split()) for m in body["messages"])
+        prompt = body["prompt"] if not chat else " ".join(m["content"] for m in body["messages"])
+        prompt_tokens = len(prompt.split()) if isinstance(prompt, str) else len(prompt)
         continuous = bool((body.get("stream_options") or {}).get("continuous_usage_stats"))
         kind = "chat.completion.chunk" if chat else "text_completion"
         base = {"id": "x", "object": kind, "created": 0, "model": body["model"]}
@@ -145,6 +156,8 @@ class StreamingServer:
                 str(self.tokens_per_chunk), "--events-per-write", str(self.events_per_write)]
         if self.slots:
             args += ["--slots", str(self.slots)]
+        if self.rejects:
+            args += ["--rejects", self.rejects]
         self._child = subprocess.Popen(args, stdout=subprocess.DEVNULL)
         deadline = time.monotonic() + 30
         while True:
@@ -176,9 +189,10 @@ def main() -> None:
     parser.add_argument("--tokens-per-chunk", type=int, default=1)
     parser.add_argument("--slots", type=int)
     parser.add_argument("--events-per-write", type=int, default=1)
+    parser.add_argument("--rejects", choices=["token-ids", "all"])
     args = parser.parse_args()
     StreamingServer(args.ttft_s, args.itl_s, args.tokens_per_chunk, args.slots, args.events_per_write,
-                    args.port).serve()
+                    args.port, args.rejects).serve()
 
 
 if __name__ == "__main__":
