@@ -60,7 +60,8 @@ def test_history_reads_runs_of_two_models_back_and_finds_the_planted_regression(
 
     kept = read_history(fast)
     assert [r.commit for r in kept] == [f"{i:040d}" for i in range(3)]
-    assert all(r.single_stream_tok_s > 100 and r.knee_concurrency in (1, 4) for r in kept)
+    planted = read_history(slow)[-1]  # real numbers, compared with each other, not with a fixed speed
+    assert all(r.single_stream_tok_s > planted.single_stream_tok_s and r.knee_concurrency in (1, 4) for r in kept)
 
     result = CliRunner().invoke(app, ["history", "--threshold", "0.5"])
     lines = result.stdout.splitlines()
