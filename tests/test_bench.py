@@ -79,7 +79,7 @@ def test_prompts_are_exact_length_reproducible_and_avoid_vocab_ends():
 def test_chat_prompts_come_from_the_tokenizer_or_a_dataset(hub_root, tmp_path):
     chat = SPEC.model_copy(update=dict(api="chat", input_len=32))
     texts = level_prompts(chat, 4, None, hub_root / "demo" / "tiny-moe")
-    assert len(texts) == 8 and all(isinstance(t, str) and t for t in texts)
+    assert len(texts) == 8 + 1 and all(isinstance(t, str) and t for t in texts)  # and the warm-up's own
     with pytest.raises(BenchConfigError, match="tokenizer"):
         level_prompts(chat, 4, 32000, None)
     data = tmp_path / "prompts.jsonl"
@@ -148,6 +148,19 @@ def test_server_queueing_is_scraped_from_metrics_and_flagged(tmp_path):
                  "mean_itl_ms", "p99_itl_ms", "mean_e2el_ms", "p99_e2el_ms"}
     assert vllm_keys <= saved.keys()
     assert saved["output_lens"] == [20] * 16 and len(saved["itls"][0]) == 19
+
+
+@pytest.mark.parametrize("resets", [True, False])
+def test_no_measured_prompt_is_in_the_prefix_cache_and_the_hit_rate_is_scraped(resets):
+    spec = SPEC.model_copy(update=dict(output_len=4, requests_per_level=6))
+    with StreamingServer(resets=resets) as server:
+        first = run_level(server.base_url, "fake", spec, 2, vocab_size=1000, scrape_interval_s=0.05)
+        again = run_level(server.base_url, "fake", spec, 2, vocab_size=1000, scrape_interval_s=0.05)  # same prompts
+        other = run_level(server.base_url, "fake", spec, 3, vocab_size=1000, scrape_interval_s=0.05)
+    assert first.server_prefix_cache_hit_rate == 0  # the warm-up's own prompt: nothing measured was cached
+    assert other.server_prefix_cache_hit_rate == 0  # another level, other prompts
+    # A repeat of a level finds its prompts cached, unless the server lets the level reset its cache first.
+    assert again.server_prefix_cache_hit_rate == (0 if resets else pytest.approx(1.0))
 
 
 def test_a_blocked_event_loop_is_measured_as_lag():

@@ -56,6 +56,7 @@ def test_demo_deploys_benchmarks_and_publishes(tmp_path):
         assert row.output_throughput > 0 and row.ttft.mean > 0
         assert row.e2el.p99 >= row.ttft.p99
         assert row.server_running_max is not None  # vLLM's /metrics was scraped during the level
+        assert row.server_prefix_cache_hit_rate is not None  # and its prefix-cache counters with it
 
     table = artifact("bench-demo-tiny-moe")
     assert table.type == "table"

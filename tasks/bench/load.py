@@ -17,7 +17,7 @@ import httpx
 from openai import AsyncOpenAI, DefaultAioHttpClient
 
 from tasks.bench.client import one_request, stamp_send
-from tasks.bench.metrics import scrape, scrape_once
+from tasks.bench.metrics import reset_prefix_cache, scrape, scrape_once
 from tasks.bench.prompts import arrival_offsets, level_prompts
 from tasks.bench.results import LevelResult, LevelRun, RequestRecord, ServerSamples, level_json, summarize
 from tasks.bench.spec import BenchSpec
@@ -42,6 +42,7 @@ def _client(base_url: str, spec: BenchSpec, api_key: str | None) -> AsyncOpenAI:
 async def _run_level(base_url: str, model: str, spec: BenchSpec, concurrency: int, prompts: list,
                      api_key: str | None, scrape_interval_s: float) -> LevelRun:
     client = _client(base_url, spec, api_key)
+    *prompts, warmup = prompts
     gate = asyncio.Semaphore(concurrency)
     offsets = arrival_offsets(len(prompts), spec.request_rate, spec.burstiness, spec.seed + concurrency)
 
@@ -65,8 +66,10 @@ async def _run_level(base_url: str, model: str, spec: BenchSpec, concurrency: in
     async with httpx.AsyncClient(timeout=5.0, headers=headers) as http:
         try:
             # Warm-up, not measured: one short request per slot opens every pooled connection, so the
-            # level's TTFT is the server's, not TCP and task start-up on the first wave.
-            await asyncio.gather(*(one_request(client, spec, model, prompts[0], 2, time.perf_counter())
+            # level's TTFT is the server's, not TCP and task start-up on the first wave. It sends a
+            # prompt of its own, after a prefix-cache reset where the server allows one.
+            await reset_prefix_cache(http, base_url)
+            await asyncio.gather(*(one_request(client, spec, model, warmup, 2, time.perf_counter())
                                    for _ in range(concurrency)))
             watchers = [asyncio.create_task(_watch_loop(lags)),
                         asyncio.create_task(scrape(http, f"{base_url}/metrics", server, scrape_interval_s))]

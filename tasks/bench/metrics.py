@@ -31,14 +31,28 @@ async def scrape(http: httpx.AsyncClient, url: str, samples: ServerSamples, inte
         samples.running.append(values.get("vllm:num_requests_running", 0.0))
         samples.waiting.append(values.get("vllm:num_requests_waiting", 0.0))
         samples.kv_usage.append(values.get("vllm:kv_cache_usage_perc", values.get("vllm:gpu_cache_usage_perc", 0.0)))
-        samples.generated.append(values.get("vllm:generation_tokens_total", 0.0))
+        _counters(values, samples)
         await asyncio.sleep(interval_s)
 
 
+def _counters(values: dict[str, float], samples: ServerSamples) -> None:
+    samples.generated.append(values.get("vllm:generation_tokens_total", 0.0))
+    samples.prefix_queries.append(values.get("vllm:prefix_cache_queries_total", 0.0))
+    samples.prefix_hits.append(values.get("vllm:prefix_cache_hits_total", 0.0))
+
+
 async def scrape_once(http: httpx.AsyncClient, url: str, samples: ServerSamples) -> None:
-    """The counter's value after the last request, so the level's generated tokens are complete."""
+    """The counters after the last request, so the level's tokens and cache lookups are complete."""
     if samples.generated:
         try:
-            samples.generated.append(parse_metrics((await http.get(url)).text).get("vllm:generation_tokens_total", 0.0))
+            _counters(parse_metrics((await http.get(url)).text), samples)
         except (httpx.HTTPError, ValueError):
             pass
+
+
+async def reset_prefix_cache(http: httpx.AsyncClient, base_url: str) -> bool:
+    """vLLM's POST /reset_prefix_cache (served with VLLM_SERVER_DEV_MODE=1); elsewhere a no-op."""
+    try:
+        return (await http.post(f"{base_url}/reset_prefix_cache")).status_code == 200
+    except httpx.HTTPError:
+        return False

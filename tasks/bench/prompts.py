@@ -29,8 +29,10 @@ def _tokenizer(name: str):
 
 def level_prompts(spec: BenchSpec, concurrency: int, vocab_size: int | None,
                   tokenizer: str | Path | None) -> list[list[int]] | list[str]:
-    """A level's prompts (at least one per slot): the dataset's, or random ids, as text for chat."""
-    count, seed = max(spec.requests_per_level, concurrency), spec.seed + concurrency
+    """A level's prompts (at least one per slot), then one more for its warm-up, so that no measured
+    request finds its prompt already in the server's prefix cache: the dataset's, or random ids (text
+    for chat, or where the server takes no ids). Each level has its own seed: no level repeats another's."""
+    count, seed = max(spec.requests_per_level, concurrency) + 1, spec.seed + concurrency
     if spec.dataset is not None:
         try:
             texts = [json.loads(line)["prompt"] for line in spec.dataset.read_text().splitlines() if line.strip()]

@@ -48,6 +48,8 @@ class ServerSamples:
     waiting: list[float] = field(default_factory=list)
     kv_usage: list[float] = field(default_factory=list)
     generated: list[float] = field(default_factory=list)
+    prefix_queries: list[float] = field(default_factory=list)  # counters: prompt tokens looked up, found
+    prefix_hits: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -109,6 +111,7 @@ class LevelResult(BaseModel):
     server_waiting_max: float | None = None
     server_kv_cache_usage_max: float | None = None
     server_output_throughput: float | None = None
+    server_prefix_cache_hit_rate: float | None = None  # share of the level's prompt tokens found cached
     within_slo: bool | None = None
     flags: str = ""
 
@@ -121,6 +124,11 @@ class LevelResult(BaseModel):
             else:
                 flat[key] = value
         return flat
+
+
+def _delta(counter: list[float]) -> float:
+    """A counter's growth over the level (0 when it was not scraped)."""
+    return counter[-1] - counter[0] if len(counter) > 1 else 0.0
 
 
 def _good(record: RequestRecord, slos_ms: dict[str, float]) -> bool:
@@ -144,7 +152,7 @@ def summarize(concurrency: int, run: LevelRun, spec: BenchSpec) -> LevelResult:
     lag_p99 = float(np.percentile(run.loop_lag_s, 99)) * 1000.0 if run.loop_lag_s else 0.0
     cpu_share = run.client_cpu_s / duration if duration > 0 else 0.0
     s = run.server
-    server_tok_s = (s.generated[-1] - s.generated[0]) / duration if len(s.generated) > 1 and duration > 0 else None
+    server_tok_s = _delta(s.generated) / duration if len(s.generated) > 1 and duration > 0 else None
     attainment = good / len(records) if good is not None else None
     within_slo = None if attainment is None else attainment >= spec.slo_attainment
     flags = ", ".join(flag for flag, hit in (
@@ -183,6 +191,7 @@ def summarize(concurrency: int, run: LevelRun, spec: BenchSpec) -> LevelResult:
         server_waiting_max=max(s.waiting) if s.waiting else None,
         server_kv_cache_usage_max=max(s.kv_usage) if s.kv_usage else None,
         server_output_throughput=server_tok_s,
+        server_prefix_cache_hit_rate=_delta(s.prefix_hits) / queried if (queried := _delta(s.prefix_queries)) else None,
         within_slo=within_slo,
         flags=flags,
     )

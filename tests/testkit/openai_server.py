@@ -7,7 +7,9 @@ the rest wait, as a server's scheduler queue does, and /metrics reports both in 
 streams open with a role-only chunk, as vLLM's do, which no honest TTFT counts. With itl_s 0 it
 sends as fast as it can (events_per_write events per write), to find a client's ingest ceiling.
 With `rejects` it refuses, as some OpenAI-compatible servers do, completions prompts given as token
-ids ("token-ids"), or every generation request ("all"), with a 400 in OpenAI's error format.
+ids ("token-ids"), or every generation request ("all"), with a 400 in OpenAI's error format. It keeps
+a prefix cache of whole prompts, counted in vLLM's metric names, and empties it on POST
+/reset_prefix_cache unless `resets` is off (vLLM serves that only in its dev mode).
 
 A raw ASGI app on uvicorn in a child process: nothing between the socket and the loop but what the
 test asks for, and no share of the measuring client's interpreter.
@@ -32,9 +34,12 @@ def _event(payload: dict) -> bytes:
 
 class StreamingServer:
     def __init__(self, ttft_s: float = 0.0, itl_s: float = 0.0, tokens_per_chunk: int = 1,
-                 slots: int | None = None, events_per_write: int = 1, port: int = 0, rejects: str | None = None):
+                 slots: int | None = None, events_per_write: int = 1, port: int = 0, rejects: str | None = None,
+                 resets: bool = True):
         self.ttft_s, self.itl_s, self.tokens_per_chunk = ttft_s, itl_s, tokens_per_chunk
-        self.rejects = rejects
+        self.rejects, self.resets = rejects, resets
+        self.cached: set[str] = set()
+        self.prefix_queries = self.prefix_hits = 0
         self.events_per_write = events_per_write
         self.slots = slots
         self._gate = asyncio.Semaphore(slots) if slots else None
@@ -59,6 +64,9 @@ class StreamingServer:
         path = scope["path"]
         if path == "/metrics":
             await self._plain(send, self._metrics().encode())
+        elif path == "/reset_prefix_cache" and self.resets:
+            self.cached.clear()
+            await self._plain(send, b"")
         elif path == "/v1/models":
             await self._plain(send, json.dumps({"object": "list", "data": [{"id": "fake", "object": "model"}]}).encode())
         elif path in ("/v1/completions", "/v1/chat/completions"):
@@ -86,6 +94,8 @@ class StreamingServer:
             "# TYPE vllm:kv_cache_usage_perc gauge\n",
             f"vllm:kv_cache_usage_perc{labels} {self.running / self.slots if self.slots else 0.0}\n",
             "# TYPE vllm:generation_tokens counter\n", f"vllm:generation_tokens_total{labels} {self.generated}\n",
+            "# TYPE vllm:prefix_cache_queries counter\n", f"vllm:prefix_cache_queries_total{labels} {self.prefix_queries}\n",
+            "# TYPE vllm:prefix_cache_hits counter\n", f"vllm:prefix_cache_hits_total{labels} {self.prefix_hits}\n",
         ])
 
     async def _stream(self, send, body: dict, chat: bool) -> None:
@@ -106,6 +116,10 @@ class StreamingServer:
         n = int(body.get("max_completion_tokens") or body["max_tokens"])
         prompt = body["prompt"] if not chat else " ".join(m["content"] for m in body["messages"])
         prompt_tokens = len(prompt.split()) if isinstance(prompt, str) else len(prompt)
+        key = json.dumps(prompt)
+        self.prefix_queries += prompt_tokens
+        self.prefix_hits += prompt_tokens if key in self.cached else 0
+        self.cached.add(key)
         continuous = bool((body.get("stream_options") or {}).get("continuous_usage_stats"))
         kind = "chat.completion.chunk" if chat else "text_completion"
         base = {"id": "x", "object": kind, "created": 0, "model": body["model"]}
@@ -158,6 +172,8 @@ class StreamingServer:
             args += ["--slots", str(self.slots)]
         if self.rejects:
             args += ["--rejects", self.rejects]
+        if not self.resets:
+            args += ["--no-resets"]
         self._child = subprocess.Popen(args, stdout=subprocess.DEVNULL)
         deadline = time.monotonic() + 30
         while True:
@@ -190,9 +206,10 @@ def main() -> None:
     parser.add_argument("--slots", type=int)
     parser.add_argument("--events-per-write", type=int, default=1)
     parser.add_argument("--rejects", choices=["token-ids", "all"])
+    parser.add_argument("--no-resets", dest="resets", action="store_false")
     args = parser.parse_args()
     StreamingServer(args.ttft_s, args.itl_s, args.tokens_per_chunk, args.slots, args.events_per_write,
-                    args.port, args.rejects).serve()
+                    args.port, args.rejects, args.resets).serve()
 
 
 if __name__ == "__main__":
