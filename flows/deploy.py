@@ -9,6 +9,7 @@ servers and the sweep. Each body is the pipeline's steps; what they mean lives i
 # annotation objects when a worker loads this module, and a string "DeployConfig" cannot be resolved.
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.futures import wait
@@ -196,7 +197,7 @@ def _serve_and_bench(config: DeployConfig, prepared: PreparedModel, gpu: GpuProb
     return handle, record, rows
 
 
-def _restore(previous: LastGood, run_dir, startup_timeout_s: float, reason: BaseException, repo_id: str) -> None:
+def _restore(previous: LastGood, run_dir: Path, startup_timeout_s: float, reason: BaseException, repo_id: str) -> None:
     """Start the last good deployment again and say why in an artifact; the new deploy's error stands."""
     logger = get_run_logger()
     what = f"{previous.repo_id}@{previous.commit[:12]}"

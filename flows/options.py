@@ -14,7 +14,6 @@ import types
 import typing
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
@@ -65,27 +64,31 @@ class Group:
         out = {}
         for name, info in self.fields().items():
             value = options[name]
-            if value is None and _listish(info.annotation):
+            if value is None and _listish(info):
                 continue  # a repeatable option not given: the model's own default
             out[name] = _parse(name, info, value)
         return out
 
 
+def _decls(name: str) -> tuple[str, ...]:
+    return ALIASES.get(name, (f"--{name.replace('_', '-')}",))
+
+
 def flag(name: str) -> str:
-    return ALIASES.get(name, (f"--{name.replace('_', '-')}",))[0].split("/")[0]
-
-
-def _listish(annotation) -> bool:
-    return typing.get_origin(annotation) in (list, dict)
+    return _decls(name)[0].split("/")[0]
 
 
 def _optional(annotation) -> tuple[Any, bool]:
     """(the type inside `X | None`, whether None was allowed)."""
     args = typing.get_args(annotation)
     if typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in args:
-        rest = [a for a in args if a is not type(None)]
-        return (rest[0] if len(rest) == 1 else str), True
+        (inner,) = [a for a in args if a is not type(None)]
+        return inner, True
     return annotation, False
+
+
+def _listish(info: FieldInfo) -> bool:
+    return typing.get_origin(_optional(info.annotation)[0]) in (list, dict)
 
 
 def _cli_type(info: FieldInfo, default: Any) -> tuple[Any, Any]:
@@ -96,8 +99,6 @@ def _cli_type(info: FieldInfo, default: Any) -> tuple[Any, Any]:
         return str, ",".join(map(str, default)) if default else None  # --concurrency 1,2,4
     if origin in (list, dict):
         return Optional[list[str]], None  # repeatable; a dict's items as KEY=VALUE
-    if inner not in (bool, int, float, str, Path) and origin is not typing.Literal:
-        return str, default
     return (Optional[inner] if nullable or default is None else inner), default
 
 
@@ -121,7 +122,7 @@ def _parse(name: str, info: FieldInfo, value: Any) -> Any:
 
 def _parameter(name: str, info: FieldInfo, default: Any, panel: str) -> inspect.Parameter:
     cli_type, default = _cli_type(info, default)
-    decls = ALIASES.get(name, (f"--{name.replace('_', '-')}",))
+    decls = _decls(name)
     if cli_type is bool and len(decls) == 1 and "/" not in decls[0]:
         decls = (f"{decls[0]}/--no-{decls[0][2:]}",)
     option = typer.Option(*decls, help=info.description, rich_help_panel=panel)

@@ -147,8 +147,8 @@ def probe_prompts(base_url: str, model: str, spec: BenchSpec, vocab_size: int | 
 
     async def one(candidate: BenchSpec) -> RequestRecord:
         client = _client(base_url, candidate, api_key)
-        try:
-            prompt = level_prompts(candidate, 1, vocab_size, tokenizer)[0]
+        try:  # the warm-up's prompt: no measured request then finds the probe's in the prefix cache
+            prompt = level_prompts(candidate, 1, vocab_size, tokenizer)[-1]
             return await one_request(client, candidate, model, prompt, 2, time.perf_counter())
         finally:
             await client.close()

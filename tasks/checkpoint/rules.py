@@ -14,7 +14,7 @@ from collections import Counter, defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import accumulate, chain
-from operator import itemgetter
+from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -155,7 +155,7 @@ def _check_weight_map(view: CheckpointView, tensors: dict[str, TensorMeta], out:
         out.append(Violation(rule="shard-not-in-weight-map", module=name,
                              message="stored shard that the weight_map never names (vLLM would ignore it)"))
     stored = view.stored_shards
-    where = dict(zip(tensors, map(itemgetter(4), tensors.values())))  # tensor -> file, built in C
+    where = dict(zip(tensors, map(attrgetter("file"), tensors.values())))  # tensor -> file, built in C
     if where.items() >= view.weight_map.items():  # the usual case, decided in C: every entry holds
         return
     wrong = [t for t, f in view.weight_map.items() if f in stored and where.get(t) != f]
@@ -204,8 +204,9 @@ def _summary(modules: dict[str, Module], kinds: dict[str, str]) -> list[dict]:
         key = (module_role(name, kinds[name]), storage, dtype)
         counts[key] += 1
         nbytes[key] += sum([t.end - t.start for t in module.params.values()])
-    return [{"role": role, "storage": storage, "dtype": dtype, "modules": counts[key], "bytes": nbytes[key]}
-            for key in sorted(counts, key=nbytes.__getitem__, reverse=True) for role, storage, dtype in [key]]
+    rows = [{"role": role, "storage": storage, "dtype": dtype, "modules": counts[role, storage, dtype],
+             "bytes": nbytes[role, storage, dtype]} for role, storage, dtype in counts]
+    return sorted(rows, key=lambda r: -r["bytes"])
 
 
 def validate(view: CheckpointView) -> ValidationReport:
