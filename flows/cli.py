@@ -78,9 +78,9 @@ def _check_hub(repo_id: str, revision: str, endpoint: str | None) -> None:
 
 
 def _print_table(results: list[LevelResult]) -> None:
-    from tasks.bench.report import SUMMARY_COLUMNS, bench_table
+    from tasks.bench.report import headline_table
 
-    typer.echo(bench_table(results)[SUMMARY_COLUMNS].round(2).to_string(index=False))
+    typer.echo(headline_table(results).to_string(index=False))
 
 
 @app.command()

@@ -1,6 +1,7 @@
 """Metric definitions, checked on records with known timings and against a server with known delays."""
 
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from tasks.bench.load import _watch_loop, run_level
-from tasks.bench.prompts import arrival_offsets, level_prompts, make_prompts
+from tasks.bench.prompts import arrival_times, level_prompts, make_prompts
 from tasks.bench.report import save_results
 from tasks.bench.results import LevelResult, LevelRun, RequestRecord, ServerSamples, summarize
 from tasks.bench.spec import BenchSpec, geometric_levels
@@ -23,7 +24,13 @@ SPEC = BenchSpec(input_len=16, output_len=20, requests_per_level=8)
 
 
 def _run(records, duration_s=2.0, lags=(), cpu_s=0.1, server=None) -> LevelRun:
-    return LevelRun(records, duration_s, list(lags), cpu_s, server or ServerSamples())
+    return LevelRun(records, duration_s, 0.0, list(lags), cpu_s, server or ServerSamples())
+
+
+def _ok(**measured) -> RequestRecord:
+    """A completed request whose first chunk was its first content, one token per chunk."""
+    return RequestRecord(ok=True, ttfc_s=measured.get("ttft_s"), token_itl_s=list(measured.get("itl_s", [])),
+                         **measured)
 
 
 def _level(concurrency: int, output_throughput: float, completed: int = 1, **measured) -> LevelResult:
@@ -33,16 +40,16 @@ def _level(concurrency: int, output_throughput: float, completed: int = 1, **mea
 
 
 def test_tpot_is_decode_time_over_tokens_after_the_first():
-    r = RequestRecord(ok=True, start_s=0, e2e_s=1.0, ttft_s=0.1, itl_s=[0.1] * 9, prompt_tokens=5, output_tokens=10)
+    r = _ok(start_s=0, e2e_s=1.0, ttft_s=0.1, itl_s=[0.1] * 9, prompt_tokens=5, output_tokens=10)
     assert r.tpot_s == pytest.approx(0.1)
-    assert RequestRecord(ok=True, start_s=0, e2e_s=1.0, ttft_s=0.1, output_tokens=1).tpot_s is None
+    assert _ok(start_s=0, e2e_s=1.0, ttft_s=0.1, output_tokens=1).tpot_s is None
 
 
 def test_summary_uses_server_token_counts_wall_time_and_vllm_keys():
     records = [
-        RequestRecord(ok=True, start_s=0, e2e_s=0.5, ttft_s=0.05, itl_s=[0.01, 0.02], prompt_tokens=64,
+        _ok(start_s=0, e2e_s=0.5, ttft_s=0.05, itl_s=[0.01, 0.02], prompt_tokens=64,
                       output_tokens=32),
-        RequestRecord(ok=True, start_s=0, e2e_s=0.7, ttft_s=0.15, itl_s=[0.03], prompt_tokens=64, output_tokens=32),
+        _ok(start_s=0, e2e_s=0.7, ttft_s=0.15, itl_s=[0.03], prompt_tokens=64, output_tokens=32),
         RequestRecord(ok=False, start_s=0, e2e_s=0.1, error="APIConnectionError"),
     ]
     row = summarize(2, _run(records), SPEC)
@@ -58,9 +65,9 @@ def test_summary_uses_server_token_counts_wall_time_and_vllm_keys():
 
 
 def test_goodput_counts_requests_within_every_slo():
-    fast = RequestRecord(ok=True, start_s=0, e2e_s=0.5, ttft_s=0.05, prompt_tokens=8, output_tokens=11)  # TPOT 45 ms
-    slow_first = RequestRecord(ok=True, start_s=0, e2e_s=0.9, ttft_s=0.4, prompt_tokens=8, output_tokens=11)
-    slow_decode = RequestRecord(ok=True, start_s=0, e2e_s=1.05, ttft_s=0.05, prompt_tokens=8, output_tokens=11)
+    fast = _ok(start_s=0, e2e_s=0.5, ttft_s=0.05, prompt_tokens=8, output_tokens=11)  # TPOT 45 ms
+    slow_first = _ok(start_s=0, e2e_s=0.9, ttft_s=0.4, prompt_tokens=8, output_tokens=11)
+    slow_decode = _ok(start_s=0, e2e_s=1.05, ttft_s=0.05, prompt_tokens=8, output_tokens=11)
     spec = SPEC.model_copy(update=dict(slo_ttft_ms=100, slo_tpot_ms=50, slo_attainment=0.5))
     row = summarize(3, _run([fast, slow_first, slow_decode], duration_s=2.0), spec)
     assert row.request_goodput == pytest.approx(0.5)  # one good request in 2 s
@@ -78,53 +85,70 @@ def test_prompts_are_exact_length_reproducible_and_avoid_vocab_ends():
 
 def test_chat_prompts_come_from_the_tokenizer_or_a_dataset(hub_root, tmp_path):
     chat = SPEC.model_copy(update=dict(api="chat", input_len=32))
-    texts = level_prompts(chat, 4, None, hub_root / "demo" / "tiny-moe")
-    assert len(texts) == 8 + 1 and all(isinstance(t, str) and t for t in texts)  # and the warm-up's own
+    texts = list(itertools.islice(level_prompts(chat, 4, None, hub_root / "demo" / "tiny-moe"), 9))
+    assert len(set(texts)) == 9 and all(isinstance(t, str) and t for t in texts)
     with pytest.raises(BenchConfigError, match="tokenizer"):
         level_prompts(chat, 4, 32000, None)
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"prompt": "hello"}\n{"prompt": "world"}\n')
-    assert level_prompts(chat.model_copy(update=dict(dataset=data)), 1, None, None)[:3] == ["hello", "world", "hello"]
+    cycled = level_prompts(chat.model_copy(update=dict(dataset=data)), 1, None, None)
+    assert list(itertools.islice(cycled, 3)) == ["hello", "world", "hello"]
     data.write_text('{"text": "no prompt key"}\n')
     with pytest.raises(BenchConfigError, match=str(data)):
         level_prompts(chat.model_copy(update=dict(dataset=data)), 1, None, None)
 
 
+def _offsets(count: int, rate: float | None, burstiness: float, seed: int) -> np.ndarray:
+    return np.fromiter(itertools.islice(arrival_times(rate, burstiness, seed), count), float)
+
+
 def test_arrivals_are_poisson_at_the_rate_and_burstiness_shapes_them():
-    steady = np.diff(arrival_offsets(4000, rate=20.0, burstiness=1.0, seed=1))
+    steady = np.diff(_offsets(4000, rate=20.0, burstiness=1.0, seed=1))
     assert steady.mean() == pytest.approx(1 / 20, rel=0.05)
     assert (steady.std() / steady.mean()) ** 2 == pytest.approx(1.0, rel=0.1)  # exponential gaps
-    bursty = np.diff(arrival_offsets(4000, rate=20.0, burstiness=0.25, seed=1))
+    bursty = np.diff(_offsets(4000, rate=20.0, burstiness=0.25, seed=1))
     assert bursty.mean() == pytest.approx(1 / 20, rel=0.1)
     assert (bursty.std() / bursty.mean()) ** 2 == pytest.approx(4.0, rel=0.15)  # CV^2 = 1 / burstiness
-    assert not arrival_offsets(5, None, 1.0, 0).any()  # no rate: all at once
+    assert not _offsets(5, None, 1.0, 0).any()  # no rate: all at once
 
 
-@pytest.mark.parametrize("concurrency", [1, 32])
-@pytest.mark.parametrize("api", ["completions", "chat"])
-def test_measured_latencies_match_what_the_server_injected(concurrency, api, hub_root):
-    # Chat streams open with a role-only chunk at once: TTFT must wait for the first content.
+@pytest.mark.parametrize("concurrency", [1, 32, 128])
+def test_measured_latencies_match_what_the_server_injected(concurrency):
     ttft, itl = 0.200, 0.020
-    spec = SPEC.model_copy(update=dict(api=api, requests_per_level=max(8, 2 * concurrency)))
+    spec = SPEC.model_copy(update=dict(level_duration_s=2.0, requests_per_level=None))
     with StreamingServer(ttft_s=ttft, itl_s=itl) as server:
-        row = run_level(server.base_url, "fake", spec, concurrency, vocab_size=1000,
-                        tokenizer=hub_root / "demo" / "tiny-moe")
-    assert row.failed == 0 and row.total_output_tokens == max(8, 2 * concurrency) * 20
-    for metric, injected in (("ttft", ttft), ("tpot", itl), ("itl", itl)):
+        row = run_level(server.base_url, "fake", spec, concurrency, vocab_size=1000)
+    assert row.failed == 0 and row.steady and row.measured >= concurrency
+    for metric, injected in (("ttft", ttft), ("ttfc", ttft), ("tpot", itl), ("itl", itl), ("token_itl", itl)):
         measured = getattr(row, metric).median / 1000
         assert abs(measured - injected) <= max(0.05 * injected, 0.002), (metric, measured, injected)
     assert "client-limited" not in row.flags
 
 
-def test_a_chunk_of_k_tokens_counts_as_k_intervals():
+@pytest.mark.parametrize("concurrency", [1, 32])
+def test_chat_ttft_is_vllms_first_chunk_and_ttfc_waits_for_content(concurrency, hub_root):
+    # Chat streams open with a role-only chunk at once: vLLM's TTFT counts it, and its ITL then
+    # holds the wait for the first content; TTFC and token ITL do not.
+    ttft, itl = 0.200, 0.020
+    spec = SPEC.model_copy(update=dict(api="chat", requests_per_level=max(8, 2 * concurrency)))
+    with StreamingServer(ttft_s=ttft, itl_s=itl) as server:
+        row = run_level(server.base_url, "fake", spec, concurrency, tokenizer=hub_root / "demo" / "tiny-moe")
+    assert row.failed == 0 and row.total_output_tokens == max(8, 2 * concurrency) * 20
+    assert row.ttft.median < 20 and abs(row.ttfc.median / 1000 - ttft) <= 0.01
+    assert row.itl.max >= ttft * 1000 and abs(row.token_itl.max / 1000 - itl) <= 0.01
+    assert abs(row.token_itl.median / 1000 - itl) <= 0.002
+
+
+def test_a_chunk_of_k_tokens_is_one_vllm_itl_and_k_token_itls():
     spec = SPEC.model_copy(update=dict(output_len=24, requests_per_level=4))
     with StreamingServer(ttft_s=0.05, itl_s=0.010, tokens_per_chunk=4) as server:
         row = run_level(server.base_url, "fake", spec, 1, vocab_size=1000)
         plain = run_level(server.base_url, "fake", spec.model_copy(update=dict(continuous_usage=False)), 1,
                           vocab_size=1000)
     assert row.total_output_tokens == 4 * 24
-    assert row.itl.median == pytest.approx(10.0, abs=2.0)  # 40 ms gaps, 4 tokens each
-    assert plain.itl.median == pytest.approx(40.0, abs=2.0)  # without per-chunk usage: per chunk
+    assert row.itl.median == pytest.approx(40.0, abs=2.0)  # vLLM's: one interval per chunk
+    assert row.token_itl.median == pytest.approx(10.0, abs=2.0)  # 40 ms gaps, 4 tokens each
+    assert plain.token_itl.median == pytest.approx(40.0, abs=2.0)  # without per-chunk usage: per chunk
     assert plain.total_output_tokens == 4 * 24  # counts from the final usage either way
 
 
@@ -175,7 +199,7 @@ def test_a_blocked_event_loop_is_measured_as_lag():
 
     lags = asyncio.run(blocked())
     assert max(lags) >= 0.045
-    row = summarize(1, _run([RequestRecord(ok=True, start_s=0, e2e_s=1, ttft_s=0.1, output_tokens=2)], lags=lags),
+    row = summarize(1, _run([_ok(start_s=0, e2e_s=1, ttft_s=0.1, output_tokens=2)], lags=lags),
                     SPEC)
     assert row.client_loop_lag_p99_ms > SPEC.max_loop_lag_ms and "client-limited" in row.flags
 
@@ -201,7 +225,7 @@ def test_sweep_stops_when_the_slo_breaks_and_the_knee_stays_within_it():
 
 def test_a_level_where_every_request_failed_is_reported_and_ends_the_sweep(tmp_path):
     refused = RequestRecord(ok=False, start_s=0, e2e_s=0.01, error="HTTP500", message="HTTP500: engine dead")
-    good = summarize(1, _run([RequestRecord(ok=True, start_s=0, e2e_s=0.5, ttft_s=0.05, itl_s=[0.01], prompt_tokens=8,
+    good = summarize(1, _run([_ok(start_s=0, e2e_s=0.5, ttft_s=0.05, itl_s=[0.01], prompt_tokens=8,
                                             output_tokens=2)]), SPEC)
     dead = summarize(2, _run([refused] * 4), SPEC)
     assert dead.completed == 0 and dead.output_throughput == 0 and "all-failed" in dead.flags

@@ -43,11 +43,24 @@ def test_a_drop_beyond_the_threshold_marks_the_record_regressed():
     before = _record(time=datetime.now(timezone.utc) - timedelta(days=1))
     assert check_regression(before, _record(peak_tok_s=2100.0), 0.1).status == "passed"  # -8%
     slower = check_regression(before, _record(single_stream_tok_s=61.0, p99_ttft_ms=1200.0), 0.1)
-    assert slower.status == "regressed"
-    assert "single-stream tok/s 61.0 vs 82.0 (-26%)" in slower.note and "p99 TTFT 1200.0 ms" in slower.note
+    assert slower.status == "regressed"  # records without intervals: the threshold alone
+    assert "single stream 61.0 vs 82.0 tok/s (-26%, beyond 10%, outside the noise)" in slower.note
+    assert "p99 TTFT 1200.0 vs 900.0 ms (+33%" in slower.note and "peak" not in slower.note
     # Other GPUs or another model are not a baseline.
     assert check_regression(before, _record(gpu="other", peak_tok_s=1.0), 0.1).status == "passed"
     assert check_regression(before, _record(model="org/other", peak_tok_s=1.0), 0.1).status == "passed"
+
+
+def test_a_drop_within_the_noise_passes_and_the_record_says_why():
+    before = _record(time=datetime.now(timezone.utc) - timedelta(days=1), peak_ci=(1900.0, 2650.0))
+    noisy = check_regression(before, _record(peak_tok_s=1950.0, peak_ci=(1500.0, 2400.0)), 0.1)  # -14%, overlapping
+    assert noisy.status == "passed"
+    assert "peak 1950.0 [1500.0, 2400.0] vs 2276.0 [1900.0, 2650.0] tok/s (-14%, beyond 10%, but within the noise)" \
+        in noisy.compared
+    clear = check_regression(before, _record(peak_tok_s=1500.0, peak_ci=(1450.0, 1550.0)), 0.1)
+    assert clear.status == "regressed" and "(-34%, beyond 10%, outside the noise)" in clear.note
+    few = check_regression(before, _record(p99_ttft_ms=None), 0.1)
+    assert few.status == "passed" and "p99 TTFT not gated: too few requests" in few.compared
 
 
 def test_history_reads_runs_of_two_models_back_and_finds_the_planted_regression():
@@ -69,13 +82,13 @@ def test_history_reads_runs_of_two_models_back_and_finds_the_planted_regression(
     assert "single_stream_tok_s" in lines[0] and "peak_tok_s" in lines[0] and "p99_ttft_ms" in lines[0]
     ours = [line for line in lines if f"hist-{tag}/" in line and not line.startswith("regression")]
     assert [line.split()[2] for line in ours] == [fast] * 3 + [slow] * 2
-    assert f"regression: {slow} at main (2222222): single-stream tok/s" in result.stdout
+    assert f"regression: {slow} at main (2222222): single stream" in result.stdout
 
     one = CliRunner().invoke(app, ["history", fast, "--threshold", "0.5", "--wide"])
     assert one.exit_code == 0, one.output
     assert len(one.stdout.splitlines()) == 1 + 3 and "0.32.0" in one.stdout and slow not in one.stdout
 
-    with pytest.raises(RegressionError, match=f"{slow}: single-stream tok/s"):
+    with pytest.raises(RegressionError, match=f"{slow}: single stream"):
         compare_runs(CompareConfig(models=[fast, slow], threshold=0.5, fail_on_regression=True))
     table = artifact("run-comparison")
     assert table.type == "table" and table.description == "5 runs of 2 model(s)"

@@ -1,10 +1,12 @@
 """One streamed request, timed the way `vllm bench serve` times it.
 
-Definitions follow vLLM's serve benchmark so our numbers compare with theirs: TTFT is the time to
-the first chunk that carries content, E2E the time to the last one, TPOT = (E2E - TTFT) / (output
-- 1) per request, ITL the gaps between content chunks, and token counts come from the server's
-usage block, never from counting chunks. Where the server reports usage per chunk (vLLM's
-continuous_usage_stats), a chunk that carries k tokens counts as k intervals of a k-th of its gap.
+Under vLLM's key names the definitions are vLLM's serve benchmark's, so our numbers compare with
+theirs: TTFT is the time to the first chunk with `choices` (a chat stream's role-only chunk
+counts), E2E the time to the last one, TPOT = (E2E - TTFT) / (output - 1) per request, and ITL one
+interval per such chunk, however many tokens it carries. Beside them, under names of their own,
+the precise versions: TTFC, the time to the first content, and token ITL, where a chunk of k tokens
+(per-chunk usage, vLLM's continuous_usage_stats) counts as k intervals of a k-th of its gap. Token
+counts come from the server's usage block, never from counting chunks.
 
 The request goes through the openai client (its request building, auth and errors) over aiohttp,
 and the stream is read as raw server-sent events: the client's own per-chunk parsing caps
@@ -73,11 +75,7 @@ async def one_request(client: AsyncOpenAI, spec: BenchSpec, model: str, prompt, 
                              error=_error_class(exc), message=_error_message(exc))
     finally:
         _SENT.reset(sent)
-    ok = stream.ttft is not None and stream.output_tokens > 0
-    return RequestRecord(ok=ok, start_s=stream.start - level_start, e2e_s=stream.last - stream.start,
-                         ttft_s=stream.ttft, itl_s=stream.itl, prompt_tokens=stream.prompt_tokens,
-                         output_tokens=stream.output_tokens,
-                         error=None if ok else ("NoContent" if stream.ttft is None else "NoUsage"))
+    return stream.record(level_start)
 
 
 class _Stream:
@@ -85,16 +83,17 @@ class _Stream:
 
     Per-read, not per-event, bookkeeping: at 256 streams the client handles ~10^6 events a second,
     and every Python statement in this loop is a share of the ceiling benchmarks/client.py measures.
-    Events that arrive in one read share its timestamp, so all but the first get a zero gap, as
-    in vLLM's benchmark, which stamps each event of a read microseconds apart.
+    A read is kept as (time, chunks with choices, tokens of its first content chunk, tokens); the
+    intervals are worked out once, when the stream ends. Events that arrive in one read share its
+    timestamp, so all but the first get a zero gap, as in vLLM's benchmark, which stamps each event
+    of a read microseconds apart.
     """
 
-    __slots__ = ("start", "last", "ttft", "itl", "prompt_tokens", "output_tokens", "counted", "pending")
+    __slots__ = ("start", "reads", "prompt_tokens", "output_tokens", "counted", "pending")
 
     def __init__(self, start: float):
-        self.start = self.last = start
-        self.ttft: float | None = None
-        self.itl: list[float] = []
+        self.start = start
+        self.reads: list[tuple[float, int, int, int]] = []
         self.prompt_tokens = self.output_tokens = self.counted = 0
         self.pending = b""
 
@@ -103,7 +102,7 @@ class _Stream:
             data = data.replace(b"\r\n", b"\n")
         events = (self.pending + data).split(b"\n\n")
         self.pending = events.pop()
-        first = rest = 0
+        chunks = first = tokens = 0
         for event in events:
             if b"\n" in event:  # several fields in one event: its data lines are the payload
                 event = b"data:" + b"".join(line[5:] for line in event.split(b"\n") if line.startswith(b"data:"))
@@ -117,6 +116,7 @@ class _Stream:
             choices = chunk.get("choices")
             if not choices:
                 continue
+            chunks += 1
             if usage:  # per-chunk usage: the chunk carries the tokens the count grew by
                 k = self.output_tokens - self.counted
                 if k <= 0:
@@ -130,15 +130,37 @@ class _Stream:
                     continue
                 k = 1
             self.counted += k
-            if first:
-                rest += k
-            else:
+            tokens += k
+            if not first:
                 first = k
-        if not first:
-            return
-        if self.ttft is None:
-            self.ttft = now - self.start
-            self.itl += [0.0] * rest
-        else:
-            self.itl += [(now - self.last) / first] * first + [0.0] * rest
-        self.last = now
+        if chunks:
+            self.reads.append((now, chunks, first, tokens))
+
+    def record(self, level_start: float) -> RequestRecord:
+        """The request's figures in both definitions: vLLM's (TTFT at the first chunk with choices,
+        one ITL per such chunk) and ours (TTFC at the first content, one ITL per token: a chunk of k
+        tokens is k intervals of a k-th of its gap)."""
+        start, ttft, ttfc = self.start, None, None
+        itl: list[float] = []
+        token_itl: list[float] = []
+        last_chunk = last_content = start
+        for now, chunks, first, tokens in self.reads:
+            if ttft is None:
+                ttft = now - start
+                itl += [0.0] * (chunks - 1)
+            else:
+                itl += [now - last_chunk] + [0.0] * (chunks - 1)
+            last_chunk = now
+            if not tokens:
+                continue
+            if ttfc is None:
+                ttfc = now - start
+                token_itl += [0.0] * (tokens - 1)
+            else:
+                token_itl += [(now - last_content) / first] * first + [0.0] * (tokens - first)
+            last_content = now
+        ok = ttfc is not None and self.output_tokens > 0
+        return RequestRecord(ok=ok, start_s=start - level_start, e2e_s=last_chunk - start, ttft_s=ttft, ttfc_s=ttfc,
+                             itl_s=itl, token_itl_s=token_itl, prompt_tokens=self.prompt_tokens,
+                             output_tokens=self.output_tokens,
+                             error=None if ok else ("NoContent" if ttfc is None else "NoUsage"))

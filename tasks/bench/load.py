@@ -7,10 +7,13 @@ server, was the limit; /metrics is sampled beside the load for the server's side
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import math
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -18,7 +21,7 @@ from openai import AsyncOpenAI, DefaultAioHttpClient
 
 from tasks.bench.client import one_request, stamp_send
 from tasks.bench.metrics import reset_prefix_cache, scrape, scrape_once
-from tasks.bench.prompts import arrival_offsets, level_prompts
+from tasks.bench.prompts import arrival_times, level_prompts
 from tasks.bench.results import LevelResult, LevelRun, RequestRecord, ServerSamples, level_json, summarize
 from tasks.bench.spec import BenchSpec
 from tasks.errors import BenchConfigError
@@ -39,27 +42,39 @@ def _client(base_url: str, spec: BenchSpec, api_key: str | None) -> AsyncOpenAI:
                                                         event_hooks={"request": [stamp_send]}))
 
 
-async def _run_level(base_url: str, model: str, spec: BenchSpec, concurrency: int, prompts: list,
+async def _run_level(base_url: str, model: str, spec: BenchSpec, concurrency: int, prompts: Iterator,
                      api_key: str | None, scrape_interval_s: float) -> LevelRun:
     client = _client(base_url, spec, api_key)
-    *prompts, warmup = prompts
+    warmup = next(prompts)
     gate = asyncio.Semaphore(concurrency)
-    offsets = arrival_offsets(len(prompts), spec.request_rate, spec.burstiness, spec.seed + concurrency)
+    arrivals = arrival_times(spec.request_rate, spec.burstiness, (spec.seed, concurrency))
+    limit = max(spec.requests_per_level, concurrency) if spec.requests_per_level else None
 
-    async def bounded(prompt, level_start: float) -> RequestRecord:
-        async with gate:
+    async def measured(prompt, level_start: float) -> RequestRecord:
+        try:
             return await one_request(client, spec, model, prompt, spec.output_len, level_start)
+        finally:
+            gate.release()
 
-    async def launch(level_start: float) -> list[RequestRecord]:
+    async def launch(level_start: float) -> tuple[list[RequestRecord], float]:
+        """Send until the level's time or count is reached, a request whenever a slot is free (and
+        its arrival time has come), then let the ones in flight finish: the drain."""
+        deadline = level_start + (spec.level_duration_s or math.inf)
         started = []
-        for prompt, at in zip(prompts, offsets):
-            if (delay := level_start + at - time.perf_counter()) > 0:
+        for prompt, at in zip(itertools.islice(prompts, limit), arrivals):
+            if (delay := min(level_start + at, deadline) - time.perf_counter()) > 0:
                 await asyncio.sleep(delay)
-            started.append(asyncio.create_task(bounded(prompt, level_start)))
+            left = deadline - time.perf_counter()
+            try:
+                await asyncio.wait_for(gate.acquire(), None if math.isinf(left) else max(left, 0.0))
+            except TimeoutError:
+                break
+            started.append(asyncio.create_task(measured(prompt, level_start)))
             # Yield once: aiohttp writes a request's body from a task of its own, so without this a
             # burst of N builds every request before sending any, and the first waits for all.
             await asyncio.sleep(0)
-        return list(await asyncio.gather(*started))
+        sending = min(time.perf_counter(), deadline) - level_start
+        return list(await asyncio.gather(*started)), sending
 
     server, lags = ServerSamples(), []
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -74,7 +89,7 @@ async def _run_level(base_url: str, model: str, spec: BenchSpec, concurrency: in
             watchers = [asyncio.create_task(_watch_loop(lags)),
                         asyncio.create_task(scrape(http, f"{base_url}/metrics", server, scrape_interval_s))]
             cpu, start = time.process_time(), time.perf_counter()
-            records = await launch(start)
+            records, sending = await launch(start)
             duration, cpu = time.perf_counter() - start, time.process_time() - cpu
             for watcher in watchers:
                 watcher.cancel()
@@ -84,7 +99,7 @@ async def _run_level(base_url: str, model: str, spec: BenchSpec, concurrency: in
             await scrape_once(http, f"{base_url}/metrics", server)
         finally:
             await client.close()
-    return LevelRun(records, duration, lags, cpu, server)
+    return LevelRun(records, duration, sending, lags, cpu, server)
 
 
 def _run_async(coro):
@@ -128,9 +143,10 @@ def _run_async(coro):
 
 def run_level(base_url: str, model: str, spec: BenchSpec, concurrency: int, vocab_size: int | None = None,
               tokenizer: str | Path | None = None, api_key: str | None = None, results_dir: Path | None = None,
-              scrape_interval_s: float = 0.2) -> LevelResult:
-    """One level, at most `concurrency` in flight; its JSON goes to results_dir."""
-    prompts = level_prompts(spec, concurrency, vocab_size, tokenizer)
+              scrape_interval_s: float = 0.2, repeat: int = 0) -> LevelResult:
+    """One level, at most `concurrency` in flight; its JSON goes to results_dir. A repeat of a level
+    sends prompts of its own."""
+    prompts = level_prompts(spec, concurrency, vocab_size, tokenizer, repeat)
     run = _run_async(_run_level(base_url, model, spec, concurrency, prompts, api_key, scrape_interval_s))
     result = summarize(concurrency, run, spec)
     if results_dir is not None:
@@ -148,7 +164,7 @@ def probe_prompts(base_url: str, model: str, spec: BenchSpec, vocab_size: int | 
     async def one(candidate: BenchSpec) -> RequestRecord:
         client = _client(base_url, candidate, api_key)
         try:  # the warm-up's prompt: no measured request then finds the probe's in the prefix cache
-            prompt = level_prompts(candidate, 1, vocab_size, tokenizer)[-1]
+            prompt = next(level_prompts(candidate, 1, vocab_size, tokenizer))
             return await one_request(client, candidate, model, prompt, 2, time.perf_counter())
         finally:
             await client.close()

@@ -2,7 +2,13 @@
 
 Code reads `result.ttft.p99` and `result.output_throughput`; the dump (JSON files, tables,
 artifacts) flattens each latency to vLLM's names (`p99_ttft_ms`), so our files compare with
-theirs key for key.
+theirs key for key. TTFC and token ITL, our precise versions of TTFT and ITL, sit beside them.
+
+A level's figures come from its measurement window, as GuideLLM's and AIPerf's do: the first
+`warmup` share of the time requests were being sent is the fill, the last `cooldown` share and
+the drain after it are the emptying, and neither is measured. Latencies are those of the requests
+sent within the window, throughput the tokens that arrived within it over its length; counts
+(requests, completed, total tokens) are the whole level's.
 """
 
 from __future__ import annotations
@@ -15,8 +21,9 @@ import numpy as np
 from pydantic import BaseModel, model_serializer
 
 from tasks.bench.spec import BenchSpec
+from tasks.bench.stats import MIN_P99_SAMPLES, quantile_intervals, rate_interval
 
-LATENCIES = ("ttft", "tpot", "itl", "e2el")
+LATENCIES = ("ttft", "ttfc", "tpot", "itl", "token_itl", "e2el")
 
 
 @dataclass
@@ -26,8 +33,10 @@ class RequestRecord:
     ok: bool
     start_s: float  # since the level started
     e2e_s: float
-    ttft_s: float | None = None
-    itl_s: list[float] = field(default_factory=list)
+    ttft_s: float | None = None  # vLLM's: the first chunk with choices
+    itl_s: list[float] = field(default_factory=list)  # vLLM's: one per chunk with choices after the first
+    ttfc_s: float | None = None  # the first content
+    token_itl_s: list[float] = field(default_factory=list)  # one per output token after the first
     prompt_tokens: int = 0
     output_tokens: int = 0
     error: str | None = None  # the class, counted per level: HTTP400, ReadTimeout, NoContent
@@ -58,27 +67,40 @@ class LevelRun:
 
     records: list[RequestRecord]
     duration_s: float
+    sending_s: float  # how long requests were being sent: the level's length, before its drain
     loop_lag_s: list[float]
     client_cpu_s: float
     server: ServerSamples
 
 
 class Latency(BaseModel):
-    """One latency over a level's requests, in milliseconds; None where nothing was measured."""
+    """One latency over a level's measured requests, in milliseconds, with 95% intervals for its
+    median and p99; None where nothing was measured, and p99 None below MIN_P99_SAMPLES values."""
 
     mean: float | None = None
     median: float | None = None
     std: float | None = None
     p90: float | None = None
     p99: float | None = None
+    max: float | None = None
+    samples: int = 0
+    median_ci: tuple[float, float] | None = None
+    p99_ci: tuple[float, float] | None = None
 
     @classmethod
-    def of(cls, values_s: list[float]) -> Latency:
-        if not values_s:
+    def of(cls, per_request_s: list[list[float]], seed: int = 0) -> Latency:
+        """From each request's values (one for TTFT, many for ITL), resampled request by request."""
+        sizes = [len(v) for v in per_request_s]
+        if not sum(sizes):
             return cls()
-        ms = np.asarray(values_s) * 1000.0
+        ms = np.concatenate([np.asarray(v, dtype=np.float64) for v in per_request_s]) * 1000.0
+        owners = np.repeat(np.arange(len(sizes)), sizes)
         p90, p99 = np.percentile(ms, (90, 99))
-        return cls(mean=ms.mean(), median=np.median(ms), std=ms.std(), p90=p90, p99=p99)
+        median_ci, p99_ci = quantile_intervals(ms, owners, len(sizes), (0.5, 0.99), seed)
+        enough = len(ms) >= MIN_P99_SAMPLES
+        return cls(mean=ms.mean(), median=np.median(ms), std=ms.std(), p90=p90, p99=p99 if enough else None,
+                   max=ms.max(), samples=len(ms), median_ci=None if np.isnan(median_ci[0]) else median_ci,
+                   p99_ci=p99_ci if enough else None)
 
 
 class LevelResult(BaseModel):
@@ -94,16 +116,23 @@ class LevelResult(BaseModel):
     errors: str = ""  # error class=count, for the failed requests
     first_error: str = ""  # the first failure in the server's words
     duration: float
+    window_start: float = 0.0  # the measurement window, seconds from the level's start
+    window: float = 0.0
+    measured: int = 0  # requests sent within the window: the latencies' population
+    steady: bool = True  # False: too short for a window, every figure includes the fill and drain
     total_input_tokens: int = 0
     total_output_tokens: int = 0
     request_throughput: float = 0.0
     request_goodput: float | None = None  # None: no SLO given
     slo_attainment: float | None = None
     output_throughput: float
+    output_throughput_ci: tuple[float, float] | None = None
     total_token_throughput: float = 0.0
     ttft: Latency = Latency()
+    ttfc: Latency = Latency()
     tpot: Latency = Latency()
     itl: Latency = Latency()
+    token_itl: Latency = Latency()
     e2el: Latency = Latency()
     client_loop_lag_p99_ms: float = 0.0
     client_cpu_share: float = 0.0
@@ -120,10 +149,19 @@ class LevelResult(BaseModel):
         flat: dict = {}
         for key, value in dump(self).items():
             if key in LATENCIES:
-                flat |= {f"{stat}_{key}_ms": v for stat, v in value.items()}
+                flat |= {_flat_key(stat, key): v for stat, v in value.items()}
             else:
                 flat[key] = value
         return flat
+
+
+def _flat_key(stat: str, latency: str) -> str:
+    """vLLM's name for a latency's statistic (`p99_ttft_ms`), and ours beside it (`p99_ttft_ms_ci`)."""
+    if stat == "samples":
+        return f"{latency}_samples"
+    if stat.endswith("_ci"):
+        return f"{stat[:-3]}_{latency}_ms_ci"
+    return f"{stat}_{latency}_ms"
 
 
 def _delta(counter: list[float]) -> float:
@@ -137,23 +175,53 @@ def _good(record: RequestRecord, slos_ms: dict[str, float]) -> bool:
     return record.ok and all(measured[k] * 1000.0 <= limit for k, limit in slos_ms.items())
 
 
+def measurement_window(run: LevelRun, spec: BenchSpec) -> tuple[float, float] | None:
+    """[start, end) in seconds from the level's start, or None where the level was too short to have
+    one: every request sent at once, or none sent within it that completed."""
+    start, end = spec.warmup * run.sending_s, (1 - spec.cooldown) * run.sending_s
+    if end > start and any(r.ok and start <= r.start_s < end for r in run.records):
+        return start, end
+    return None
+
+
+def _arrivals(ok: list[RequestRecord]) -> tuple[np.ndarray, np.ndarray]:
+    """When each output token arrived (seconds from the level's start), and what it weighs: one,
+    or more where the server did not report usage per chunk and a chunk stood for several."""
+    times, weights = [], []
+    for r in ok:
+        arrived = r.start_s + r.ttfc_s + np.concatenate(([0.0], np.cumsum(r.token_itl_s)))
+        times.append(arrived)
+        weights.append(np.full(len(arrived), r.output_tokens / len(arrived)))
+    if not times:
+        return np.zeros(0), np.zeros(0)
+    return np.concatenate(times), np.concatenate(weights)
+
+
 def summarize(concurrency: int, run: LevelRun, spec: BenchSpec) -> LevelResult:
-    """One level's figures from its requests, its client watch and its /metrics samples."""
+    """One level's figures over its measurement window, from its requests, its client watch and its
+    /metrics samples."""
     records, duration = run.records, run.duration_s
     ok = [r for r in records if r.ok]
-    output_tokens = sum(r.output_tokens for r in ok)
-    input_tokens = sum(r.prompt_tokens for r in ok)
+    window = measurement_window(run, spec)
+    start, end = window or (0.0, duration)
+    length = end - start
+    measured = [r for r in ok if start <= r.start_s < end] if window else ok
+    arrived, weights = _arrivals(ok)
+    in_window = (arrived >= start) & (arrived < end) if window else np.ones(len(arrived), dtype=bool)
+    output_tokens = float(weights[in_window].sum())  # in the window; the totals are the whole level's
+    input_tokens = sum(r.prompt_tokens for r in ok if not window or start <= r.start_s + r.ttfc_s < end)
+    finished = sum(1 for r in ok if not window or start <= r.start_s + r.e2e_s < end)
     errors: dict[str, int] = {}
     for r in records:
         if not r.ok:
             errors[r.error or "Unknown"] = errors.get(r.error or "Unknown", 0) + 1
     slos = spec.slos_ms
-    good = sum(_good(r, slos) for r in records) if slos else None
+    good = sum(_good(r, slos) for r in measured) if slos else None
     lag_p99 = float(np.percentile(run.loop_lag_s, 99)) * 1000.0 if run.loop_lag_s else 0.0
     cpu_share = run.client_cpu_s / duration if duration > 0 else 0.0
     s = run.server
     server_tok_s = _delta(s.generated) / duration if len(s.generated) > 1 and duration > 0 else None
-    attainment = good / len(records) if good is not None else None
+    attainment = good / len(measured) if good is not None and measured else None
     within_slo = None if attainment is None else attainment >= spec.slo_attainment
     flags = ", ".join(flag for flag, hit in (
         ("client-limited", lag_p99 > spec.max_loop_lag_ms or cpu_share > 0.9),
@@ -162,7 +230,10 @@ def summarize(concurrency: int, run: LevelRun, spec: BenchSpec) -> LevelResult:
         ("all-failed", not ok),
         ("failures", 0 < len(ok) < len(records)),
         ("slo-missed", within_slo is False),
+        ("no-steady-state", bool(ok) and window is None),
     ) if hit)
+    seed = spec.seed + concurrency
+    throughput_ci = rate_interval(arrived[in_window], weights[in_window], start, end) if window else None
     return LevelResult(
         concurrency=concurrency,
         max_concurrency=concurrency,
@@ -174,17 +245,24 @@ def summarize(concurrency: int, run: LevelRun, spec: BenchSpec) -> LevelResult:
         errors=", ".join(f"{k}={v}" for k, v in sorted(errors.items())),
         first_error=next((r.message or r.error or "" for r in records if not r.ok), ""),
         duration=duration,
-        total_input_tokens=input_tokens,
-        total_output_tokens=output_tokens,
-        request_throughput=len(ok) / duration,
-        request_goodput=good / duration if good is not None else None,
+        window_start=start,
+        window=length,
+        measured=len(measured),
+        steady=window is not None,
+        total_input_tokens=sum(r.prompt_tokens for r in ok),
+        total_output_tokens=sum(r.output_tokens for r in ok),
+        request_throughput=finished / length if length > 0 else 0.0,
+        request_goodput=good / length if good is not None and length > 0 else None,
         slo_attainment=attainment,
-        output_throughput=output_tokens / duration,
-        total_token_throughput=(input_tokens + output_tokens) / duration,
-        ttft=Latency.of([r.ttft_s for r in ok if r.ttft_s is not None]),
-        tpot=Latency.of([t for r in ok if (t := r.tpot_s) is not None]),
-        itl=Latency.of([x for r in ok for x in r.itl_s]),
-        e2el=Latency.of([r.e2e_s for r in ok]),
+        output_throughput=output_tokens / length if length > 0 else 0.0,
+        output_throughput_ci=throughput_ci,
+        total_token_throughput=(input_tokens + output_tokens) / length if length > 0 else 0.0,
+        ttft=Latency.of([[r.ttft_s] for r in measured if r.ttft_s is not None], seed),
+        ttfc=Latency.of([[r.ttfc_s] for r in measured if r.ttfc_s is not None], seed),
+        tpot=Latency.of([[t] for r in measured if (t := r.tpot_s) is not None], seed),
+        itl=Latency.of([r.itl_s for r in measured], seed),
+        token_itl=Latency.of([r.token_itl_s for r in measured], seed),
+        e2el=Latency.of([[r.e2e_s] for r in measured], seed),
         client_loop_lag_p99_ms=lag_p99,
         client_cpu_share=cpu_share,
         server_running_max=max(s.running) if s.running else None,
@@ -209,6 +287,8 @@ def level_json(result: LevelResult, run: LevelRun, model: str, spec: BenchSpec) 
         "output_lens": [r.output_tokens for r in run.records],
         "ttfts": [r.ttft_s or 0.0 for r in run.records],
         "itls": [r.itl_s for r in run.records],
+        "ttfcs": [r.ttfc_s or 0.0 for r in run.records],
+        "token_itls": [r.token_itl_s for r in run.records],
         "latencies": [r.e2e_s for r in run.records],
         "start_times": [r.start_s for r in run.records],
         "errors": [r.error or "" for r in run.records],

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 
 class BenchSpec(BaseModel):
@@ -16,7 +16,14 @@ class BenchSpec(BaseModel):
                                           description="Requests in flight per level, swept in order")
     min_throughput_gain: float | None = Field(
         0.05, ge=0, description="Stop when a level adds less than this share of throughput; empty: never")
-    requests_per_level: int = Field(64, ge=1, description="Requests per level (at least the level's concurrency)")
+    level_duration_s: float | None = Field(
+        60.0, gt=0, description="Seconds each level keeps sending requests; empty: until requests_per_level are sent")
+    requests_per_level: int | None = Field(
+        None, ge=1, description="Requests per level (at least its concurrency); empty: as many as level_duration_s "
+        "allows. With both, the level ends at the first reached")
+    warmup: float = Field(0.1, ge=0, lt=0.5, description="Share of a level's sending time at its start, not measured")
+    cooldown: float = Field(0.1, ge=0, lt=0.5, description="Share of a level's sending time at its end, not measured "
+                            "(nor is the drain after it)")
     request_rate: float | None = Field(None, gt=0, description="Poisson arrivals per second; empty: all at once")
     burstiness: float = Field(1.0, gt=0, description="Gamma shape of arrivals: 1 Poisson, <1 burstier, >1 steadier")
     input_len: int = Field(1024, ge=1, description="Prompt tokens per request")
@@ -39,6 +46,12 @@ class BenchSpec(BaseModel):
         if any(c < 1 for c in levels):
             raise ValueError("every concurrency level must be >= 1")
         return sorted(set(levels))
+
+    @model_validator(mode="after")
+    def _level_has_an_end(self) -> BenchSpec:
+        if self.level_duration_s is None and self.requests_per_level is None:
+            raise ValueError("a level needs an end: set level_duration_s or requests_per_level")
+        return self
 
     @property
     def slos_ms(self) -> dict[str, float]:

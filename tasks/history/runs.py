@@ -36,7 +36,11 @@ class RunRecord(BaseModel):
     single_stream_tok_s: float | None
     peak_tok_s: float | None
     knee_concurrency: int | None
-    p99_ttft_ms: float | None
+    p99_ttft_ms: float | None  # None where the knee had too few requests for a p99
+    # 95% intervals of the three: the gate's noise test. None in records from before they were kept.
+    single_stream_ci: tuple[float, float] | None = None
+    peak_ci: tuple[float, float] | None = None
+    p99_ttft_ci: tuple[float, float] | None = None
     status: str = "passed"
     note: str = ""
     compared: str = ""  # the change against the previous good run of the same model on the same GPUs
@@ -55,46 +59,61 @@ def run_record(results: list[LevelResult], model: str, revision: str, commit: st
         peak_tok_s=best.output_throughput if best else None,
         knee_concurrency=best.concurrency if best else None,
         p99_ttft_ms=best.ttft.p99 if best else None,
+        single_stream_ci=single.output_throughput_ci if single else None,
+        peak_ci=best.output_throughput_ci if best else None,
+        p99_ttft_ci=best.ttft.p99_ci if best else None,
         flow_run_id=flow_run_id,
     )
 
 
-def regressions(previous: RunRecord, current: RunRecord, threshold: float) -> list[str]:
-    """Each number more than `threshold` (a fraction) worse than the previous good run's."""
+# (value field, interval field, label, unit, whether more is better)
+_GATED = (("single_stream_tok_s", "single_stream_ci", "single stream", "tok/s", True),
+          ("peak_tok_s", "peak_ci", "peak", "tok/s", True),
+          ("p99_ttft_ms", "p99_ttft_ci", "p99 TTFT", "ms", False))
+
+
+def _figure(value: float, ci: tuple[float, float] | None, unit: str) -> str:
+    return f"{value:.1f} [{ci[0]:.1f}, {ci[1]:.1f}] {unit}" if ci else f"{value:.1f} {unit}"
+
+
+def assess(previous: RunRecord, current: RunRecord, threshold: float | None) -> list[tuple[str, bool]]:
+    """Each figure against the previous good run's, in words, and whether it regressed: worse by more
+    than `threshold` (the practical bar) and outside the noise (the two 95% intervals do not
+    overlap). Records without intervals are judged by the threshold alone."""
     found = []
-    for field, label in (("single_stream_tok_s", "single-stream tok/s"), ("peak_tok_s", "peak tok/s")):
+    for field, ci_field, label, unit, more_is_better in _GATED:
         before, now = getattr(previous, field), getattr(current, field)
-        if before and now is not None and now < before * (1 - threshold):
-            found.append(f"{label} {now:.1f} vs {before:.1f} ({now / before - 1:+.0%})")
-    before, now = previous.p99_ttft_ms, current.p99_ttft_ms
-    if before and now is not None and now > before * (1 + threshold):
-        found.append(f"p99 TTFT {now:.1f} ms vs {before:.1f} ms ({now / before - 1:+.0%})")
+        if before and now is None:
+            found.append((f"{label} not gated: too few requests in this run to measure it", False))
+        if not before or now is None:
+            continue
+        was, ci = getattr(previous, ci_field), getattr(current, ci_field)
+        change = now / before - 1
+        worse_by = -change if more_is_better else change
+        beyond = threshold is not None and worse_by > threshold
+        apart = was is None or ci is None or (ci[1] < was[0] if more_is_better else ci[0] > was[1])
+        if not beyond:
+            why = f"within {threshold:.0%}" if threshold is not None else "not gated"
+        else:
+            why = "beyond {:.0%}, ".format(threshold) + ("outside the noise" if apart else "but within the noise")
+        found.append((f"{label} {_figure(now, ci, '')}vs {_figure(before, was, unit)} ({change:+.0%}, {why})",
+                      beyond and apart))
     return found
 
 
-def changes(previous: RunRecord, current: RunRecord) -> str:
-    """Every compared number beside its predecessor, gated or not: what a reader of the run wants first."""
-    parts = []
-    for field, label, unit in (("single_stream_tok_s", "single stream", "tok/s"), ("peak_tok_s", "peak", "tok/s"),
-                               ("p99_ttft_ms", "p99 TTFT", "ms")):
-        before, now = getattr(previous, field), getattr(current, field)
-        if before and now is not None:
-            parts.append(f"{label} {now:.1f} vs {before:.1f} {unit} ({now / before - 1:+.0%})")
-    return f"against {previous.commit[:12]} ({previous.time:%Y-%m-%d %H:%M}): " + ", ".join(parts)
-
-
 def check_regression(previous: RunRecord | None, current: RunRecord, threshold: float | None) -> RunRecord:
-    """The record with its comparison against `previous`, marked regressed (with what) when a number
-    is worse beyond `threshold`; with no threshold it is compared, never marked."""
+    """The record with why it passed or regressed against `previous` (each figure with its interval),
+    marked regressed where a figure is worse beyond `threshold` and outside the noise; with no
+    threshold it is compared, never marked."""
     if previous is None or previous.model != current.model or previous.gpu != current.gpu:
         return current
-    current = current.model_copy(update={"compared": changes(previous, current)})
-    found = regressions(previous, current, threshold) if threshold is not None else []
-    if not found:
+    found = assess(previous, current, threshold)
+    against = f"against {previous.commit[:12]} ({previous.time:%Y-%m-%d %H:%M}): "
+    current = current.model_copy(update={"compared": against + "; ".join(text for text, _ in found)})
+    regressed = [text for text, bad in found if bad]
+    if not regressed:
         return current
-    note = f"regressed beyond {threshold:.0%} against {previous.commit[:12]} ({previous.time:%Y-%m-%d %H:%M}): " \
-           + "; ".join(found)
-    return current.model_copy(update={"status": "regressed", "note": note})
+    return current.model_copy(update={"status": "regressed", "note": "regressed " + against + "; ".join(regressed)})
 
 
 def comparison(records: list[RunRecord], threshold: float | None = 0.1) -> pd.DataFrame:
@@ -107,7 +126,7 @@ def comparison(records: list[RunRecord], threshold: float | None = 0.1) -> pd.Da
         if before is not None:
             if before.peak_tok_s and record.peak_tok_s is not None:
                 change = f"{record.peak_tok_s / before.peak_tok_s - 1:+.1%}"
-            found = regressions(before, record, threshold) if threshold is not None else []
+            found = [text for text, bad in assess(before, record, threshold) if bad]
         if record.status == "passed" and not found:
             last_passed[(record.model, record.gpu)] = record
         revision = record.commit[:12] if record.revision == record.commit else f"{record.revision} ({record.commit[:7]})"

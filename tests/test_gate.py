@@ -1,0 +1,40 @@
+"""The regression gate against servers of fixed, known speeds: it never cries wolf on the same
+server, and it always catches one made 30% slower, never one made 5% slower at a 10% threshold."""
+
+from __future__ import annotations
+
+from tasks.bench.load import run_level
+from tasks.bench.spec import BenchSpec
+from tasks.history.runs import RunRecord, check_regression, run_record
+from testkit.openai_server import StreamingServer
+
+SPEC = BenchSpec(concurrency_levels=[1, 4], level_duration_s=1.2, input_len=16, output_len=16)
+TTFT_S, ITL_S = 0.02, 0.01
+
+
+def _run(slower_by: float, repeat: int) -> RunRecord:
+    """One deploy's benchmark of a server whose every delay is stretched to make it `slower_by` slower."""
+    stretch = 1 / (1 - slower_by)
+    with StreamingServer(ttft_s=TTFT_S * stretch, itl_s=ITL_S * stretch) as server:
+        rows = [run_level(server.base_url, "fake", SPEC, c, vocab_size=1000, repeat=repeat)
+                for c in SPEC.concurrency_levels]
+    return run_record(rows, "org/m", "main", f"{repeat:040d}", "cpu (test)", "0", "TP=1")
+
+
+def test_the_gate_flags_real_slowdowns_and_nothing_else():
+    baseline = _run(0.0, 0)
+    last_good, same = baseline, []
+    for i in range(1, 11):  # back to back, as nightlies are: each against the last passed run
+        record = check_regression(last_good, _run(0.0, i), 0.1)
+        same.append(record)
+        last_good = record if record.status == "passed" else last_good
+    assert [r.status for r in same] == ["passed"] * 10, [r.note for r in same]
+    assert all(r.single_stream_ci and r.peak_ci for r in same)  # the intervals are kept with the record
+
+    slow = [check_regression(baseline, _run(0.30, 20 + i), 0.1) for i in range(3)]
+    assert [r.status for r in slow] == ["regressed"] * 3, [r.compared for r in slow]
+    assert all("outside the noise" in r.note and "single stream" in r.note for r in slow)
+
+    slight = [check_regression(baseline, _run(0.05, 30 + i), 0.1) for i in range(3)]
+    assert [r.status for r in slight] == ["passed"] * 3, [r.note for r in slight]
+    assert all("within 10%" in r.compared for r in slight)
