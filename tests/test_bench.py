@@ -265,3 +265,27 @@ def test_sigterm_mid_level_reaches_the_handler_that_was_installed():
         assert signal.getsignal(signal.SIGTERM) is handler
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+HEADLINE = {
+    "output tok/s": lambda r: (r.output_throughput, r.output_throughput_ci),
+    "median TTFT": lambda r: (r.ttft.median, r.ttft.median_ci),
+    "median TPOT": lambda r: (r.tpot.median, r.tpot.median_ci),
+    "median ITL": lambda r: (r.itl.median, r.itl.median_ci),
+    "median E2E": lambda r: (r.e2el.median, r.e2el.median_ci),
+}
+
+
+def test_intervals_hold_the_other_repeats_and_narrow_as_the_level_grows():
+    widths = {}
+    with StreamingServer(ttft_s=0.03, itl_s=0.01) as server:
+        for seconds in (1.0, 4.0):
+            spec = SPEC.model_copy(update=dict(output_len=16, level_duration_s=seconds, requests_per_level=None))
+            repeats = [run_level(server.base_url, "fake", spec, 8, vocab_size=1000, repeat=i) for i in range(10)]
+            for name, figure in HEADLINE.items():
+                inside = [figure(a)[1][0] <= figure(b)[0] <= figure(a)[1][1]
+                          for a, b in itertools.permutations(repeats, 2)]
+                assert sum(inside) >= 0.85 * len(inside), (name, seconds, [figure(r) for r in repeats])
+                widths[name, seconds] = np.mean([figure(r)[1][1] - figure(r)[1][0] for r in repeats])
+    assert widths["output tok/s", 4.0] < widths["output tok/s", 1.0]
+    assert widths["median TTFT", 4.0] < widths["median TTFT", 1.0]

@@ -88,8 +88,10 @@ class Latency(BaseModel):
     p99_ci: tuple[float, float] | None = None
 
     @classmethod
-    def of(cls, per_request_s: list[list[float]], seed: int = 0) -> Latency:
-        """From each request's values (one for TTFT, many for ITL), resampled request by request."""
+    def of(cls, per_request_s: list[list[float]], seed: int = 0, resolution_ms: float = 0.0) -> Latency:
+        """From each request's values (one for TTFT, many for ITL), resampled request by request.
+        A timestamp is only as sharp as the event loop that takes it: the intervals are widened by
+        `resolution_ms`, the client's typical wake-up lag, added in quadrature."""
         sizes = [len(v) for v in per_request_s]
         if not sum(sizes):
             return cls()
@@ -97,10 +99,17 @@ class Latency(BaseModel):
         owners = np.repeat(np.arange(len(sizes)), sizes)
         p90, p99 = np.percentile(ms, (90, 99))
         median_ci, p99_ci = quantile_intervals(ms, owners, len(sizes), (0.5, 0.99), seed)
-        enough = len(ms) >= MIN_P99_SAMPLES
-        return cls(mean=ms.mean(), median=np.median(ms), std=ms.std(), p90=p90, p99=p99 if enough else None,
-                   max=ms.max(), samples=len(ms), median_ci=None if np.isnan(median_ci[0]) else median_ci,
-                   p99_ci=p99_ci if enough else None)
+        median, enough = float(np.median(ms)), len(ms) >= MIN_P99_SAMPLES
+        return cls(mean=ms.mean(), median=median, std=ms.std(), p90=p90, p99=p99 if enough else None,
+                   max=ms.max(), samples=len(ms), median_ci=_widened(median, median_ci, resolution_ms),
+                   p99_ci=_widened(p99, p99_ci, resolution_ms) if enough else None)
+
+
+def _widened(value: float, ci: tuple[float, float], resolution_ms: float) -> tuple[float, float] | None:
+    if np.isnan(ci[0]):
+        return None
+    low, high = value - ci[0], ci[1] - value
+    return (value - float(np.hypot(low, resolution_ms)), value + float(np.hypot(high, resolution_ms)))
 
 
 class LevelResult(BaseModel):
@@ -218,6 +227,7 @@ def summarize(concurrency: int, run: LevelRun, spec: BenchSpec) -> LevelResult:
     slos = spec.slos_ms
     good = sum(_good(r, slos) for r in measured) if slos else None
     lag_p99 = float(np.percentile(run.loop_lag_s, 99)) * 1000.0 if run.loop_lag_s else 0.0
+    resolution = float(np.median(run.loop_lag_s)) * 1000.0 if run.loop_lag_s else 0.0
     cpu_share = run.client_cpu_s / duration if duration > 0 else 0.0
     s = run.server
     server_tok_s = _delta(s.generated) / duration if len(s.generated) > 1 and duration > 0 else None
@@ -257,12 +267,12 @@ def summarize(concurrency: int, run: LevelRun, spec: BenchSpec) -> LevelResult:
         output_throughput=output_tokens / length if length > 0 else 0.0,
         output_throughput_ci=throughput_ci,
         total_token_throughput=(input_tokens + output_tokens) / length if length > 0 else 0.0,
-        ttft=Latency.of([[r.ttft_s] for r in measured if r.ttft_s is not None], seed),
-        ttfc=Latency.of([[r.ttfc_s] for r in measured if r.ttfc_s is not None], seed),
-        tpot=Latency.of([[t] for r in measured if (t := r.tpot_s) is not None], seed),
-        itl=Latency.of([r.itl_s for r in measured], seed),
-        token_itl=Latency.of([r.token_itl_s for r in measured], seed),
-        e2el=Latency.of([[r.e2e_s] for r in measured], seed),
+        ttft=Latency.of([[r.ttft_s] for r in measured if r.ttft_s is not None], seed, resolution),
+        ttfc=Latency.of([[r.ttfc_s] for r in measured if r.ttfc_s is not None], seed, resolution),
+        tpot=Latency.of([[t] for r in measured if (t := r.tpot_s) is not None], seed, resolution),
+        itl=Latency.of([r.itl_s for r in measured], seed, resolution),
+        token_itl=Latency.of([r.token_itl_s for r in measured], seed, resolution),
+        e2el=Latency.of([[r.e2e_s] for r in measured], seed, resolution),
         client_loop_lag_p99_ms=lag_p99,
         client_cpu_share=cpu_share,
         server_running_max=max(s.running) if s.running else None,
