@@ -77,10 +77,12 @@ def _check_hub(repo_id: str, revision: str, endpoint: str | None) -> None:
         _fail(exc)
 
 
-def _print_table(results: list[LevelResult]) -> None:
-    from tasks.bench.report import headline_table
+def _print_table(results: list[LevelResult], stop: str | None) -> None:
+    """The headline figures (95% intervals as ±), then what they mean in words."""
+    from tasks.bench.report import headline_table, verdict_lines
 
-    typer.echo(headline_table(results).to_string(index=False))
+    typer.echo(headline_table(results).to_string(index=False) + "\n")
+    typer.echo("\n".join(line.replace("**", "") for line in verdict_lines(results, stop)))
 
 
 @app.command()
@@ -98,7 +100,7 @@ def demo(
     typer.echo(f"\nINT4 variant {int4.repo_id}: validation {int4.validation.verdict} "
                f"({int4.validation.modules_packed} packed modules; validated, not served on CPU)")
     typer.echo(f"Deployed {result.prepared.repo_id}@{result.prepared.commit[:12]} on {result.platform}\n")
-    _print_table(result.results)
+    _print_table(result.results, result.sweep_end)
     if result.record.compared:
         typer.echo(f"\nCompared with the previous demo run, {result.record.compared}.\nNot gated: on a shared "
                    "2-core machine run-to-run noise exceeds any fixed threshold; `rollout deploy` gates at 10%.")
@@ -255,17 +257,16 @@ def bench(
 
     def level(c: int) -> LevelResult:
         row = run_level(base_url, model, spec, c, vocab_size, tokenizer, api_key, out)
-        typer.echo(f"c={c}: {row.output_throughput:.1f} output tok/s, p99 TTFT {row.ttft.p99 or 0:.1f} ms"
+        typer.echo(f"c={c}: {row.output_throughput:.1f} output tok/s, median TTFT {row.ttft.median or 0:.1f} ms"
                    + (f"  [{row.flags}]" if row.flags else ""))
         return row
 
     stops: list[str] = []
     rows = sweep(spec, level, stops.append)
     facts = {"Server": base_url, "Load": f"{spec.api}, input {spec.input_len}, output {spec.output_len} tokens"}
-    _, markdown = save_results(rows, out, f"Benchmark of {model}", facts, stops[0] if stops else None)
+    save_results(rows, out, f"Benchmark of {model}", facts, stops[0] if stops else None)
     typer.echo("")
-    _print_table(rows)
-    typer.echo("\n" + "\n".join(line for line in markdown.splitlines() if line.startswith("- **")))
+    _print_table(rows, stops[0] if stops else None)
     typer.echo(f"\nresults: {out}")
 
 

@@ -154,7 +154,7 @@ def deploy_model(config: DeployConfig) -> DeployResult:
         if previous is not None:  # from here a failure restores it
             stop_serving(config.run_dir, f"{previous.repo_id}@{previous.commit[:12]}")
         try:
-            handle, record, rows = _serve_and_bench(config, prepared, gpu, server,
+            handle, record, rows, stop = _serve_and_bench(config, prepared, gpu, server,
                                                     comparable(previous or read_last_good(config.run_dir),
                                                                config.repo_id))
         except Exception as err:
@@ -162,12 +162,12 @@ def deploy_model(config: DeployConfig) -> DeployResult:
                 _restore(previous, config.run_dir, config.startup_timeout_s, err, config.repo_id)
             raise
         write_last_good(config.run_dir, deployment_record(config, prepared, handle, server, record))
-    return DeployResult(prepared=prepared, platform=gpu.platform, results=rows, record=record,
+    return DeployResult(prepared=prepared, platform=gpu.platform, results=rows, sweep_end=stop, record=record,
                         base_url=handle.base_url if config.keep_serving else None)
 
 
 def _serve_and_bench(config: DeployConfig, prepared: PreparedModel, gpu: GpuProbe, server: ServerConfig,
-                     last_run: RunRecord | None) -> tuple[ServerHandle, RunRecord, list[LevelResult]]:
+                     last_run: RunRecord | None) -> tuple[ServerHandle, RunRecord, list[LevelResult], str | None]:
     """Start (readiness includes a real token), sweep, publish, compare; a regression raises."""
     logger = get_run_logger()
     handle, facts = start_vllm(server, config.run_dir, config.startup_timeout_s, config.api_key_secret,
@@ -194,7 +194,7 @@ def _serve_and_bench(config: DeployConfig, prepared: PreparedModel, gpu: GpuProb
         raise
     if not config.keep_serving:
         stop_vllm(handle)
-    return handle, record, rows
+    return handle, record, rows, stops[0] if stops else None
 
 
 def _restore(previous: LastGood, run_dir: Path, startup_timeout_s: float, reason: BaseException, repo_id: str) -> None:

@@ -289,3 +289,18 @@ def test_intervals_hold_the_other_repeats_and_narrow_as_the_level_grows():
                 widths[name, seconds] = np.mean([figure(r)[1][1] - figure(r)[1][0] for r in repeats])
     assert widths["output tok/s", 4.0] < widths["output tok/s", 1.0]
     assert widths["median TTFT", 4.0] < widths["median TTFT", 1.0]
+
+
+def test_a_level_shorter_than_a_request_has_no_window_and_says_so():
+    def request(start_s: float) -> RequestRecord:
+        return _ok(start_s=start_s, e2e_s=0.3, ttft_s=0.1, itl_s=[0.1, 0.1], prompt_tokens=8, output_tokens=3)
+
+    burst = [request(0.001 * i) for i in range(8)]  # all sent at once: fill and drain only
+    row = summarize(8, LevelRun(burst, 0.31, 0.008, [], 0.01, ServerSamples()), SPEC)
+    assert not row.steady and "no-steady-state" in row.flags and row.measured == 8
+    assert row.output_throughput == pytest.approx(24 / 0.31)  # over the whole level, and flagged
+    steady = [request(0.1 * i) for i in range(40)]  # a request every 100 ms for 4 s
+    row = summarize(3, LevelRun(steady, 4.3, 4.0, [], 0.01, ServerSamples()), SPEC)
+    assert row.steady and row.window_start == pytest.approx(0.4) and row.window == pytest.approx(3.2)
+    assert row.measured == 32  # those sent within [0.4 s, 3.6 s)
+    assert row.output_throughput == pytest.approx(30.0, rel=0.05)  # 3 tokens per 100 ms

@@ -39,7 +39,8 @@ def test_cancel_mid_sweep_stops_vllm(local_hub, tmp_path):
                               start_new_session=True)
     try:
         # A sweep long enough to be cancelled in the middle of it.
-        config = demo_config(local_hub.endpoint, tmp_path / "models", requests_per_level=4000, output_len=64)
+        config = demo_config(local_hub.endpoint, tmp_path / "models", requests_per_level=4000,
+                             level_duration_s=None, output_len=64)
         with get_client(sync_client=True) as client:
             _wait(lambda: _has_deployment(client), 120, "the served deployment")
         run = run_deployment("deploy-model/cancel-test", parameters={"config": config.model_dump(mode="json")},

@@ -38,8 +38,9 @@ def test_bench_sweeps_any_openai_server_until_it_saturates(tmp_path):
                                      "--requests-per-level", "16", "--max-concurrency", "64",
                                      "--results-dir", str(out)])
     assert result.exit_code == 0, result.output
-    assert "Sweep ended:** saturated at concurrency 8" in result.output
-    assert "Peak (knee):**" in result.output and "Single stream:**" in result.output
+    assert "- Sweep ended: saturated at concurrency 8" in result.output
+    assert "- Peak (knee): " in result.output and "- Single stream: " in result.output
+    assert "- queued at concurrency 8: requests waited in vLLM's queue" in result.output
     assert sorted(p.name for p in out.iterdir()) == ["chart.png", "level-c0001.json", "level-c0002.json",
                                                      "level-c0004.json", "level-c0008.json", "results.csv",
                                                      "summary.md"]

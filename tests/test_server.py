@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tasks.errors import ServerStartError
-from tasks.vllm.command import build_command, check_arguments
+from tasks.vllm.command import NOT_FLAGS, build_command, check_arguments
 from tasks.vllm.log import classify_failure, server_facts
 from tasks.vllm.options import quick_check
 from tasks.vllm.process import group_members, reap_stale, served_model, serving_group, start_server, stop_group
@@ -147,6 +147,14 @@ def test_port_in_use_fails_before_launch(tmp_path):
     assert info.value.cause == "port-in-use"
 
 
+def test_cpus_the_host_does_not_have_fail_before_launch(tmp_path):
+    with pytest.raises(ServerStartError, match="cpus 0,4095: this host lets vLLM use CPUs") as info:
+        start_server(ServerConfig(model_path=tmp_path, served_model_name="m", port=0, cpus="0,4095"), tmp_path)
+    assert info.value.cause == "cpus-unavailable"
+    with pytest.raises(ValueError, match="cpus"):
+        VllmSettings(cpus="0-")  # not a CPU list
+
+
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
 
@@ -172,7 +180,7 @@ def test_installed_vllm_parser_accepts_the_commands_we_build(tmp_path):
                        extra_args=["--enable_prefix_caching", "--seed", "7", "--compilation-config.mode", "0"])
     command = build_command(cfg, 8000)
     # Every typed setting is on this command line, so the installed vLLM's parser vets each one.
-    assert [name for name in VllmSettings.model_fields if name not in ("extra_args", "env")
+    assert [name for name in VllmSettings.model_fields if name not in NOT_FLAGS
             and "--" + name.replace("_", "-") not in command] == []
     check_arguments(command, tmp_path)  # the child parses and writes the table
     check_arguments(build_command(cfg, 8000), tmp_path)  # the table agrees

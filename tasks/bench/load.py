@@ -7,9 +7,11 @@ server, was the limit; /metrics is sampled beside the load for the server's side
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import math
+import os
 import signal
 import threading
 import time
@@ -24,6 +26,7 @@ from tasks.bench.metrics import reset_prefix_cache, scrape, scrape_once
 from tasks.bench.prompts import arrival_times, level_prompts
 from tasks.bench.results import LevelResult, LevelRun, RequestRecord, ServerSamples, level_json, summarize
 from tasks.bench.spec import BenchSpec
+from tasks.cpus import parse_cpus
 from tasks.errors import BenchConfigError
 
 
@@ -141,13 +144,30 @@ def _run_async(coro):
                 signal.raise_signal(signal.SIGTERM)
 
 
+@contextlib.contextmanager
+def _pinned(cpus: str | None) -> Iterator[None]:
+    """This thread, the level's event loop, on `cpus` for the level: on a CPU host the client and
+    the server then do not take turns on one core, which would make both the client's timestamps
+    and the server's pace the scheduler's."""
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, parse_cpus(cpus))  # pid 0: the calling thread only
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 def run_level(base_url: str, model: str, spec: BenchSpec, concurrency: int, vocab_size: int | None = None,
               tokenizer: str | Path | None = None, api_key: str | None = None, results_dir: Path | None = None,
               scrape_interval_s: float = 0.2, repeat: int = 0) -> LevelResult:
     """One level, at most `concurrency` in flight; its JSON goes to results_dir. A repeat of a level
     sends prompts of its own."""
     prompts = level_prompts(spec, concurrency, vocab_size, tokenizer, repeat)
-    run = _run_async(_run_level(base_url, model, spec, concurrency, prompts, api_key, scrape_interval_s))
+    with _pinned(spec.client_cpus):
+        run = _run_async(_run_level(base_url, model, spec, concurrency, prompts, api_key, scrape_interval_s))
     result = summarize(concurrency, run, spec)
     if results_dir is not None:
         results_dir.mkdir(parents=True, exist_ok=True)

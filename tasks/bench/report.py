@@ -114,12 +114,12 @@ def write_chart(df: pd.DataFrame, path: Path, title: str, gpus: int | None = Non
     return path
 
 
-def summary_markdown(results: list[LevelResult], title: str, facts: dict[str, str],
-                     stop: str | None = None, chart: Path | None = None) -> str:
+def verdict_lines(results: list[LevelResult], stop: str | None) -> list[str]:
+    """What the sweep found, in words: single stream, the knee, why it ended, what each raised flag
+    means and where; the summary's bullets and the CLI's closing lines."""
     best = knee(results)
     single = next((r for r in results if r.concurrency == 1), None)
-    lines = [f"# {title}", ""]
-    lines += [f"- **{k}:** {v}" for k, v in facts.items()]
+    lines = []
     if single is not None:
         lines.append(f"- **Single stream:** {_interval(single.output_throughput, single.output_throughput_ci, 1)}"
                      " output tok/s")
@@ -133,6 +133,14 @@ def summary_markdown(results: list[LevelResult], title: str, facts: dict[str, st
         levels = [str(r.concurrency) for r in results if flag in r.flags.split(", ")]
         if levels:
             lines.append(f"- **{flag}** at concurrency {', '.join(levels)}: {meaning}")
+    return lines
+
+
+def summary_markdown(results: list[LevelResult], title: str, facts: dict[str, str],
+                     stop: str | None = None, chart: Path | None = None) -> str:
+    lines = [f"# {title}", ""]
+    lines += [f"- **{k}:** {v}" for k, v in facts.items()]
+    lines += verdict_lines(results, stop)
     if chart is not None:
         lines.append(f"- **Chart:** [{chart.name}]({chart.as_uri()}) (results in `{chart.parent}`)")
     lines += ["", headline_table(results).to_markdown(index=False)]

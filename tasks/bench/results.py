@@ -186,9 +186,11 @@ def _good(record: RequestRecord, slos_ms: dict[str, float]) -> bool:
 
 def measurement_window(run: LevelRun, spec: BenchSpec) -> tuple[float, float] | None:
     """[start, end) in seconds from the level's start, or None where the level was too short to have
-    one: every request sent at once, or none sent within it that completed."""
+    one: shorter than a request's life (the median E2E), as when every request is sent at once, so
+    that what it holds is the fill or the drain, not the pace the server keeps."""
     start, end = spec.warmup * run.sending_s, (1 - spec.cooldown) * run.sending_s
-    if end > start and any(r.ok and start <= r.start_s < end for r in run.records):
+    lives = [r.e2e_s for r in run.records if r.ok]
+    if lives and end - start >= float(np.median(lives)) and any(r.ok and start <= r.start_s < end for r in run.records):
         return start, end
     return None
 

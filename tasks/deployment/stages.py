@@ -30,6 +30,7 @@ class DeployResult(BaseModel):
     prepared: PreparedModel
     platform: str
     results: list[LevelResult]
+    sweep_end: str | None = None  # why the sweep stopped before its last level
     record: RunRecord  # the history record: its `compared` says how this run stands against the last good one
     base_url: str | None = None  # where the new deployment serves; None when keep_serving was off
 
@@ -48,6 +49,8 @@ def server_config(config: DeployConfig, prepared: PreparedModel, platform: str) 
     env = {"VLLM_ENGINE_READY_TIMEOUT_S": str(int(config.startup_timeout_s))}
     if platform == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB; the default would take a large share of RAM
+        if config.vllm.cpus:  # vLLM's CPU backend binds its compute threads itself: to the same CPUs
+            env["VLLM_CPU_OMP_THREADS_BIND"] = config.vllm.cpus
     return ServerConfig(**config.vllm.model_dump(exclude={"env"}), env={**env, **config.vllm.env},
                         model_path=prepared.model_dir, served_model_name=config.served_model_name or config.repo_id,
                         host=config.host, port=config.port)

@@ -15,6 +15,9 @@ from tasks.vllm.options import installed_version, quick_check
 from tasks.vllm.settings import ServerConfig, VllmSettings
 
 
+NOT_FLAGS = ("extra_args", "env", "cpus")  # settings of the launch, not of vLLM
+
+
 def engine_flags(settings: VllmSettings) -> list[str]:
     """Every engine setting as vLLM's own flag, generated so a new field needs no second declaration:
     field name to --kebab-case, True to a bare flag; a value left at its default (which is vLLM's)
@@ -22,7 +25,7 @@ def engine_flags(settings: VllmSettings) -> list[str]:
     flags: list[str] = []
     for name, spec in VllmSettings.model_fields.items():
         value = getattr(settings, name)
-        if name in ("extra_args", "env") or value is None or value is False or value == spec.default:
+        if name in NOT_FLAGS or value is None or value is False or value == spec.default:
             continue
         flag = "--" + name.replace("_", "-")
         flags += [flag] if value is True else [flag, str(value)]

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tasks.cpus import parse_cpus
 from tasks.errors import ServerStartError
 from tasks.vllm.command import build_command, check_arguments
 from tasks.vllm.settings import ServerConfig
@@ -64,10 +65,17 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
+def _cpu_list(cpus: set[int]) -> str:
+    return ",".join(str(c) for c in sorted(cpus))
+
+
 def start_server(cfg: ServerConfig, run_dir: Path, api_key: str | None = None) -> ServerHandle:
     """Launch vLLM in a new session; the state file is written before anything can fail later."""
     if not cfg.model_path.is_dir():
         raise ServerStartError(f"model path {cfg.model_path} does not exist", "model-path-missing", "")
+    if cfg.cpus and not parse_cpus(cfg.cpus) <= (usable := os.sched_getaffinity(0)):
+        raise ServerStartError(f"cpus {cfg.cpus}: this host lets vLLM use CPUs {_cpu_list(usable)} only",
+                               "cpus-unavailable", "")
     port = cfg.port or _free_port(cfg.host)
     ensure_port_free(cfg.host, port)
     command = build_command(cfg, port)
@@ -81,6 +89,10 @@ def start_server(cfg: ServerConfig, run_dir: Path, api_key: str | None = None) -
         proc = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
         )
+    if cfg.cpus:
+        # Popen has returned after exec, while vLLM is still importing: every process and thread it
+        # starts later (engine core, workers) inherits this affinity.
+        os.sched_setaffinity(proc.pid, parse_cpus(cfg.cpus))
     handle = ServerHandle(
         pid=proc.pid, pgid=proc.pid, base_url=f"http://{cfg.host}:{port}", log_path=log_path,
         state_file=run_dir / "server.json", command=command, process=proc, api_key=api_key,

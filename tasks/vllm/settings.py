@@ -6,6 +6,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
+from tasks.cpus import CpuList
+
 
 class VllmSettings(BaseModel):
     """The engine settings an operator chooses (the UI shows them as one group); anything vLLM
@@ -37,6 +39,8 @@ class VllmSettings(BaseModel):
     trust_remote_code: bool = Field(False, description="--trust-remote-code")
     extra_args: list[str] = Field(default_factory=list, description="Further vLLM flags, passed verbatim")
     env: dict[str, str] = Field(default_factory=dict, description="Environment for the vLLM process")
+    cpus: CpuList | None = Field(None, description="CPUs the vLLM processes may use, as taskset lists them ('0', "
+                                 "'0-13'); on a CPU host, leave the benchmark client a core of its own. Empty: any")
 
 
 class ServerConfig(VllmSettings):
