@@ -3,11 +3,14 @@
 A local OpenAI-compatible server in its own process streams tokens as fast as it can (no delays,
 32 events per write), so what limits each run is the client: how many streamed tokens per second
 it can take in, timestamp and account for. At 1, 64 and 256 concurrent streams, each tool runs the
-same requests (16-token prompts, TOTAL_TOKENS / streams output tokens each, at least 2000,
-ignore_eos, one warm-up per stream), and both report output tokens per second from the server's
-usage counts. "ours+usage" is our default, per-chunk usage on, which makes every event larger.
+same requests (16-token prompts, TOTAL_TOKENS / streams output tokens each, between 2,000 and
+20,000: `vllm bench serve` fails a single 500,000-token stream, and a ratio needs both tools to
+finish; ignore_eos, one warm-up per stream), and both report output tokens per second from the
+server's usage counts. "ours+usage" is our default, per-chunk usage on, which makes every event
+larger. Where the peer fails, the line says what failed instead of a ratio; --plant-peer-failure
+points the peer at a port where nothing listens, to show that.
 
-    .venv/bin/python benchmarks/client.py [TOTAL_TOKENS]
+    .venv/bin/python benchmarks/client.py [TOTAL_TOKENS] [--plant-peer-failure]
 """
 
 from __future__ import annotations
@@ -31,8 +34,12 @@ VLLM_BENCH = "import sys, argparse; from vllm.benchmarks.serve import add_cli_ar
              "p = argparse.ArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))"
 
 
+MAX_OUTPUT_LEN = 20_000  # the longest stream both tools complete (shared/notes/field-facts.md)
+
+
 def ours(base_url: str, streams: int, output_len: int, continuous_usage: bool) -> float:
-    spec = BenchSpec(input_len=16, output_len=output_len, requests_per_level=streams,
+    """All requests at once, counted over the whole level, as the peer counts them."""
+    spec = BenchSpec(input_len=16, output_len=output_len, requests_per_level=streams, level_duration_s=None,
                      continuous_usage=continuous_usage)
     return run_level(base_url, "fake", spec, streams, vocab_size=1000).output_throughput
 
@@ -58,15 +65,18 @@ def vllm_bench(base_url: str, streams: int, output_len: int, tokenizer: Path, ou
 
 
 def main() -> None:
-    total = int(sys.argv[1]) if len(sys.argv) > 1 else 500_000
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    total = int(args[0]) if args else 500_000
+    plant = "--plant-peer-failure" in sys.argv
     with tempfile.TemporaryDirectory() as tmp, StreamingServer(events_per_write=32) as server:
+        peer_url = "http://127.0.0.1:9" if plant else server.base_url  # port 9 (discard): nothing listens
         train_tokenizer(Path(tmp), vocab_size=1000, seed=0)
         print("streams  output_len  ours tok/s  ours+usage tok/s  vllm bench tok/s  ours / vllm bench")
         for streams in STREAMS:
-            output_len = max(2000, total // streams)
+            output_len = min(MAX_OUTPUT_LEN, max(2000, total // streams))
             plain = ours(server.base_url, streams, output_len, continuous_usage=False)
             usage = ours(server.base_url, streams, output_len, continuous_usage=True)
-            peer = vllm_bench(server.base_url, streams, output_len, Path(tmp), Path(tmp))
+            peer = vllm_bench(peer_url, streams, output_len, Path(tmp), Path(tmp))
             if isinstance(peer, str):
                 print(f"{streams:7d}  {output_len:10d}  {plain:10,.0f}  {usage:16,.0f}  {'failed':>16}  {'-':>17}"
                       f"\n         {peer}", flush=True)

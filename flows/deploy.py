@@ -26,6 +26,7 @@ from tasks.deployment.stages import (
     bench_facts,
     comparable,
     deployment_record,
+    gpus_used,
     hardware_plan,
     parallelism,
     platform_label,
@@ -176,14 +177,14 @@ def _serve_and_bench(config: DeployConfig, prepared: PreparedModel, gpu: GpuProb
         logger.info("vLLM ready at %s after %.0f s", handle.base_url, handle.startup_s)
         results_dir = (config.run_dir / "bench" / model_slug(config.repo_id)
                        / datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ"))
-        vocab, stops = vocab_size(prepared.model_dir), []
+        vocab, stops, gpus = vocab_size(prepared.model_dir), [], gpus_used(gpu, config.vllm)
         rows = sweep(config.bench, lambda c: bench_level(handle.base_url, server.served_model_name, config.bench, c,
-                                                         vocab, prepared.model_dir, handle.api_key, results_dir),
+                                                         vocab, prepared.model_dir, handle.api_key, results_dir, gpus),
                      stops.append)
         for reason in stops:
             logger.info("%s; the sweep stops", reason)
         publish_results(rows, config.repo_id, bench_facts(config, prepared, gpu, facts), results_dir,
-                        stops[0] if stops else None)
+                        stops[0] if stops else None, gpus)
         run = run_record(rows, config.repo_id, config.revision, prepared.commit, platform_label(gpu),
                          facts["vllm_version"], parallelism(config.vllm), str(flow_run.get_id() or "") or None)
         record = publish_record(check_regression(last_run, run, config.max_regression))

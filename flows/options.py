@@ -79,12 +79,14 @@ def flag(name: str) -> str:
 
 
 def _optional(annotation) -> tuple[Any, bool]:
-    """(the type inside `X | None`, whether None was allowed)."""
-    args = typing.get_args(annotation)
+    """(the type inside `X | None`, its constraints (Annotated) left to pydantic, whether None was allowed)."""
+    args, nullable = typing.get_args(annotation), False
     if typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in args:
-        (inner,) = [a for a in args if a is not type(None)]
-        return inner, True
-    return annotation, False
+        (annotation,) = [a for a in args if a is not type(None)]
+        nullable = True
+    if typing.get_origin(annotation) is Annotated:
+        annotation = typing.get_args(annotation)[0]
+    return annotation, nullable
 
 
 def _listish(info: FieldInfo) -> bool:

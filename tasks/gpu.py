@@ -6,6 +6,8 @@ The NVML module is a parameter so tests (and a CPU-only laptop) can describe any
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Literal
@@ -80,6 +82,38 @@ def _interconnect(nvml: ModuleType, handles: list) -> Literal["nvlink", "pcie", 
             if status != nvml.NVML_P2P_STATUS_OK:
                 return "pcie"
     return "nvlink"
+
+
+@contextmanager
+def energy_meter(count: int, nvml: ModuleType | None = None) -> Iterator[Callable[[], float] | None]:
+    """A reader of the joules the first `count` GPUs have used since their driver loaded (NVML's
+    total-energy counter, Volta and newer), or None where there is no NVML or no such counter:
+    the benchmark then reports no energy rather than a wrong one."""
+    if nvml is None:
+        try:
+            import pynvml as nvml
+        except ImportError:
+            yield None
+            return
+    try:
+        nvml.nvmlInit()
+    except Exception:  # no driver, no devices: no energy to read
+        yield None
+        return
+    try:
+        handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(min(count, nvml.nvmlDeviceGetCount()))]
+
+        def joules() -> float:
+            return sum(nvml.nvmlDeviceGetTotalEnergyConsumption(h) for h in handles) / 1000.0  # mJ
+
+        try:
+            joules()
+        except Exception:  # NVMLError_NotSupported on GPUs without the counter
+            yield None
+            return
+        yield joules if handles else None
+    finally:
+        nvml.nvmlShutdown()
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from tasks.checkpoint.rules import ValidationReport, validate_checkpoint, valida
 from tasks.disk import DiskPlan, EvictionResult, check_plan, evict, plan_space
 from tasks.errors import GpuConfigError, ServerStartError, ValidationFailed
 from tasks.findings import Violation
-from tasks.gpu import GpuProbe, HardwarePlan, check_hardware, hardware_warnings, probe
+from tasks.gpu import GpuProbe, HardwarePlan, check_hardware, energy_meter, hardware_warnings, probe
 from tasks.history.runs import RunRecord
 from tasks.hub import FetchResult, RepoFile, RepoSnapshot, fetch_file, is_transient, resolve_snapshot
 from tasks.vllm.process import ServerHandle, reap_stale, stop_server
@@ -169,14 +169,18 @@ def stop_serving(run_dir: Path, what: str) -> None:
 # Benchmark and history
 @task(name="bench-level", task_run_name="bench c={concurrency}", tags=["bench"], cache_policy=NO_CACHE)
 def bench_level(base_url: str, model: str, spec: BenchSpec, concurrency: int, vocab_size: int | None,
-                tokenizer: Path | None, api_key: str | None = None, results_dir: Path | None = None) -> LevelResult:
-    return run_level(base_url, model, spec, concurrency, vocab_size, tokenizer, api_key, results_dir)
+                tokenizer: Path | None, api_key: str | None = None, results_dir: Path | None = None,
+                gpus: int | None = None) -> LevelResult:
+    """One level; on `gpus` GPUs it reports throughput per GPU, and tokens per joule where NVML counts energy."""
+    with energy_meter(gpus) if gpus else contextlib.nullcontext() as meter:
+        return run_level(base_url, model, spec, concurrency, vocab_size, tokenizer, api_key, results_dir,
+                         energy=meter, gpus=gpus)
 
 
 @task(name="publish-results", tags=["report"])
 def publish_results(results: list[LevelResult], repo_id: str, facts: dict[str, str], results_dir: Path,
-                    stop: str | None) -> pd.DataFrame:
-    df, markdown = save_results(results, results_dir, f"Benchmark of {repo_id}", facts, stop)
+                    stop: str | None, gpus: int | None = None) -> pd.DataFrame:
+    df, markdown = save_results(results, results_dir, f"Benchmark of {repo_id}", facts, stop, gpus)
     artifacts.publish_bench(df, markdown, repo_id)
     return df
 

@@ -304,3 +304,16 @@ def test_a_level_shorter_than_a_request_has_no_window_and_says_so():
     assert row.steady and row.window_start == pytest.approx(0.4) and row.window == pytest.approx(3.2)
     assert row.measured == 32  # those sent within [0.4 s, 3.6 s)
     assert row.output_throughput == pytest.approx(30.0, rel=0.05)  # 3 tokens per 100 ms
+
+
+def test_energy_over_the_window_gives_tokens_per_joule_and_throughput_per_gpu():
+    from fake_nvml import FakeNvml
+
+    from tasks.gpu import energy_meter
+
+    spec = SPEC.model_copy(update=dict(level_duration_s=1.5, requests_per_level=None))
+    with StreamingServer(ttft_s=0.02, itl_s=0.005) as server, energy_meter(8, FakeNvml(count=8, watts=300.0)) as meter:
+        row = run_level(server.base_url, "fake", spec, 4, vocab_size=1000, energy=meter, gpus=8)
+    assert row.steady and row.energy_j == pytest.approx(8 * 300.0 * row.window, rel=0.05)
+    assert row.output_tokens_per_joule == pytest.approx(row.output_throughput * row.window / row.energy_j)
+    assert row.output_throughput_per_gpu == pytest.approx(row.output_throughput / 8)

@@ -53,6 +53,7 @@ def test_bench_sweeps_any_openai_server_until_it_saturates(tmp_path):
         (["--model", "other", "--vocab-size", "1000"], 1, "--model 'other' is not served at"),
         (["--model", "fake", "--api", "chat"], 2, "chat prompts need the served model's tokenizer"),
         (["--model", "fake", "--vocab-size", "1000", "--output-len", "1"], 2, "bad option output_len"),
+        (["--model", "fake", "--vocab-size", "1000", "--client-cpus", "0-"], 2, "bad option client_cpus"),
     ],
 )
 def test_bench_refuses_bad_input_in_one_line(args, code, expected, tmp_path):

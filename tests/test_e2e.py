@@ -72,7 +72,7 @@ def test_demo_deploys_benchmarks_and_publishes(tmp_path):
         assert kept["total_output_tokens"] == measured.total_output_tokens
 
     summary = artifact("bench-summary-demo-tiny-moe")
-    assert f"{rows[0].output_throughput:.1f} output tok/s" in summary.data
+    assert f"Single stream:** {rows[0].output_throughput:.1f} ±" in summary.data
     runs = list((tmp_path / "models" / ".rollout" / "bench" / "demo-tiny-moe").iterdir())
     assert len(runs) == 1 and f"({(runs[0] / 'chart.png').as_uri()})" in summary.data
     assert (runs[0] / "chart.png").read_bytes().startswith(b"\x89PNG")

@@ -1,10 +1,12 @@
 """The probe and the hardware rules against described NVMLs: 8x RTX PRO 6000 (SM120, 96 GB, PCIe),
 8x H200 (SM90, 141 GB, NVLink), and a host without a driver."""
 
+import time
+
 import pytest
 from fake_nvml import GB, FakeNvml
 
-from tasks.gpu import HardwarePlan, check_hardware, hardware_warnings, kv_cache_is_fp8, probe
+from tasks.gpu import HardwarePlan, check_hardware, energy_meter, hardware_warnings, kv_cache_is_fp8, probe
 
 KIMI_INT4_BYTES = 595 * GB
 
@@ -81,3 +83,27 @@ def test_pcie_tensor_parallel_beyond_two_is_a_warning():
 ])
 def test_fp8_kv_cache_is_read_from_the_checkpoint_or_the_flag(scheme, dtype, fp8):
     assert kv_cache_is_fp8(scheme, dtype) is fp8
+
+
+def test_the_energy_meter_reads_the_gpus_counters_in_joules():
+    nvml = FakeNvml(count=8, watts=300.0)
+    with energy_meter(4, nvml) as joules:
+        before = joules()
+        time.sleep(0.2)
+        used = joules() - before
+    assert used == pytest.approx(4 * 300.0 * 0.2, rel=0.25)  # four GPUs at 300 W for 0.2 s
+    assert nvml.shutdowns == 1
+    with energy_meter(8, FakeNvml(watts=None)) as none:  # a GPU without the counter
+        assert none is None
+    with energy_meter(8, FakeNvml(fail_init=RuntimeError("NVML Shared Library Not Found"))) as none:
+        assert none is None
+
+
+def test_the_gpus_a_server_uses_are_its_world_size_on_this_host():
+    from tasks.deployment.stages import gpus_used
+    from tasks.vllm.settings import VllmSettings
+
+    assert gpus_used(rtx_pro_6000(), VllmSettings(tensor_parallel_size=8, enable_expert_parallel=True)) == 8
+    assert gpus_used(rtx_pro_6000(), VllmSettings(tensor_parallel_size=2, data_parallel_size=2)) == 4
+    assert gpus_used(rtx_pro_6000(), VllmSettings(data_parallel_size=16, data_parallel_size_local=8)) == 8
+    assert gpus_used(probe(FakeNvml(fail_init=RuntimeError("no driver"))), VllmSettings()) is None

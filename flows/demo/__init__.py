@@ -44,8 +44,8 @@ def demo_config(endpoint: str, models_root: Path, **overrides):
     vllm |= {k: overrides.pop(k) for k in list(overrides) if k in VllmSettings.model_fields}
     # Two CPU cores saturate early; the demo sweeps until throughput stops growing. A level of 3 s
     # holds ten or more requests per slot at the demo model's pace: a steady state to measure.
-    bench = dict(concurrency_levels=[1, 2, 4, 8, 16, 32, 64, 128, 256], level_duration_s=3.0, input_len=64, output_len=32,
-                 client_cpus=client_cpus)
+    bench = dict(concurrency_levels=[1, 2, 4, 8, 16, 32, 64, 128, 256], level_duration_s=3.0, input_len=64,
+                 output_len=32, client_cpus=client_cpus)
     bench |= {k: overrides.pop(k) for k in list(overrides) if k in BenchSpec.model_fields}
     settings = dict(
         repo_id=BF16_REPO,

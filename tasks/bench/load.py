@@ -15,7 +15,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -45,8 +45,17 @@ def _client(base_url: str, spec: BenchSpec, api_key: str | None) -> AsyncOpenAI:
                                                         event_hooks={"request": [stamp_send]}))
 
 
+async def _watch_energy(read: Callable[[], float], samples: list[tuple[float, float]], start: float,
+                        interval_s: float) -> None:
+    """The GPUs' energy counter through the level, so the window's share can be read off it."""
+    while True:
+        samples.append((time.perf_counter() - start, read()))
+        await asyncio.sleep(interval_s)
+
+
 async def _run_level(base_url: str, model: str, spec: BenchSpec, concurrency: int, prompts: Iterator,
-                     api_key: str | None, scrape_interval_s: float) -> LevelRun:
+                     api_key: str | None, scrape_interval_s: float, energy: Callable[[], float] | None,
+                     gpus: int | None) -> LevelRun:
     client = _client(base_url, spec, api_key)
     warmup = next(prompts)
     gate = asyncio.Semaphore(concurrency)
@@ -79,7 +88,7 @@ async def _run_level(base_url: str, model: str, spec: BenchSpec, concurrency: in
         sending = min(time.perf_counter(), deadline) - level_start
         return list(await asyncio.gather(*started)), sending
 
-    server, lags = ServerSamples(), []
+    server, lags, joules = ServerSamples(), [], []
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     async with httpx.AsyncClient(timeout=5.0, headers=headers) as http:
         try:
@@ -92,6 +101,8 @@ async def _run_level(base_url: str, model: str, spec: BenchSpec, concurrency: in
             watchers = [asyncio.create_task(_watch_loop(lags)),
                         asyncio.create_task(scrape(http, f"{base_url}/metrics", server, scrape_interval_s))]
             cpu, start = time.process_time(), time.perf_counter()
+            if energy is not None:
+                watchers.append(asyncio.create_task(_watch_energy(energy, joules, start, scrape_interval_s)))
             records, sending = await launch(start)
             duration, cpu = time.perf_counter() - start, time.process_time() - cpu
             for watcher in watchers:
@@ -100,9 +111,11 @@ async def _run_level(base_url: str, model: str, spec: BenchSpec, concurrency: in
                 if not isinstance(outcome, (asyncio.CancelledError, type(None))):
                     raise outcome  # a signal (Prefect's cancellation) that landed in a watcher
             await scrape_once(http, f"{base_url}/metrics", server)
+            if energy is not None:
+                joules.append((time.perf_counter() - start, energy()))
         finally:
             await client.close()
-    return LevelRun(records, duration, sending, lags, cpu, server)
+    return LevelRun(records, duration, sending, lags, cpu, server, gpus, joules)
 
 
 def _run_async(coro):
@@ -162,12 +175,15 @@ def _pinned(cpus: str | None) -> Iterator[None]:
 
 def run_level(base_url: str, model: str, spec: BenchSpec, concurrency: int, vocab_size: int | None = None,
               tokenizer: str | Path | None = None, api_key: str | None = None, results_dir: Path | None = None,
-              scrape_interval_s: float = 0.2, repeat: int = 0) -> LevelResult:
+              scrape_interval_s: float = 0.2, repeat: int = 0, energy: Callable[[], float] | None = None,
+              gpus: int | None = None) -> LevelResult:
     """One level, at most `concurrency` in flight; its JSON goes to results_dir. A repeat of a level
-    sends prompts of its own."""
+    sends prompts of its own. With `energy` (a reader of the serving GPUs' joules) the level reports
+    output tokens per joule, and with `gpus` its throughput per GPU."""
     prompts = level_prompts(spec, concurrency, vocab_size, tokenizer, repeat)
     with _pinned(spec.client_cpus):
-        run = _run_async(_run_level(base_url, model, spec, concurrency, prompts, api_key, scrape_interval_s))
+        run = _run_async(_run_level(base_url, model, spec, concurrency, prompts, api_key, scrape_interval_s,
+                                    energy, gpus))
     result = summarize(concurrency, run, spec)
     if results_dir is not None:
         results_dir.mkdir(parents=True, exist_ok=True)

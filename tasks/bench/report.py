@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from tasks.bench.results import LevelResult, Latency
+from tasks.bench.results import Latency, LevelResult
 from tasks.bench.sweep import knee
 
 # Why a level carries each flag, in the words the summary prints once per flag.
@@ -55,9 +55,11 @@ def headline_table(results: list[LevelResult]) -> pd.DataFrame:
             "TPOT median ms": _interval(r.tpot.median, r.tpot.median_ci, 2),
             "ITL median ms": _interval(r.itl.median, r.itl.median_ci, 2),
             "E2E median ms": _interval(r.e2el.median, r.e2el.median_ci, 1),
+            "tok/s per GPU": f"{r.output_throughput_per_gpu:.1f}" if r.output_throughput_per_gpu else None,
+            "tok/J": f"{r.output_tokens_per_joule:.2f}" if r.output_tokens_per_joule else None,
             "flags": r.flags,
         })
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows).dropna(axis="columns", how="all")  # no GPU: no per-GPU or energy columns
 
 
 def _errors(values: pd.Series, cis: pd.Series) -> list[list[float]]:

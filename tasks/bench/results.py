@@ -71,6 +71,8 @@ class LevelRun:
     loop_lag_s: list[float]
     client_cpu_s: float
     server: ServerSamples
+    gpus: int | None = None  # how many GPUs served the level; None on a CPU host or an unknown server
+    energy_j: list[tuple[float, float]] = field(default_factory=list)  # (s from the level's start, GPU joules)
 
 
 class Latency(BaseModel):
@@ -150,6 +152,10 @@ class LevelResult(BaseModel):
     server_kv_cache_usage_max: float | None = None
     server_output_throughput: float | None = None
     server_prefix_cache_hit_rate: float | None = None  # share of the level's prompt tokens found cached
+    gpus: int | None = None
+    output_throughput_per_gpu: float | None = None
+    energy_j: float | None = None  # the GPUs' energy over the measurement window (NVML)
+    output_tokens_per_joule: float | None = None
     within_slo: bool | None = None
     flags: str = ""
 
@@ -245,6 +251,10 @@ def summarize(concurrency: int, run: LevelRun, spec: BenchSpec) -> LevelResult:
         ("no-steady-state", bool(ok) and window is None),
     ) if hit)
     seed = spec.seed + concurrency
+    energy = None
+    if len(run.energy_j) > 1:
+        at, joules = zip(*run.energy_j)
+        energy = float(np.interp(end, at, joules) - np.interp(start, at, joules))
     throughput_ci = rate_interval(arrived[in_window], weights[in_window], start, end) if window else None
     return LevelResult(
         concurrency=concurrency,
@@ -282,6 +292,10 @@ def summarize(concurrency: int, run: LevelRun, spec: BenchSpec) -> LevelResult:
         server_kv_cache_usage_max=max(s.kv_usage) if s.kv_usage else None,
         server_output_throughput=server_tok_s,
         server_prefix_cache_hit_rate=_delta(s.prefix_hits) / queried if (queried := _delta(s.prefix_queries)) else None,
+        gpus=run.gpus,
+        output_throughput_per_gpu=output_tokens / length / run.gpus if run.gpus and length > 0 else None,
+        energy_j=energy,
+        output_tokens_per_joule=output_tokens / energy if energy else None,
         within_slo=within_slo,
         flags=flags,
     )

@@ -39,8 +39,8 @@ class BenchSpec(BaseModel):
     slo_e2el_ms: float | None = Field(None, gt=0, description="Goodput SLO: end-to-end latency")
     slo_attainment: float = Field(0.99, gt=0, le=1, description="Share of requests within SLO for a level to pass")
     continuous_usage: bool = Field(True, description="Ask for per-chunk usage (vLLM); off for servers that reject it")
-    client_cpus: CpuList | None = Field(None, description="CPUs the benchmark client runs on during a level ('1', '2-3'), "
-                                    "apart from the server's on a CPU host. Empty: any")
+    client_cpus: CpuList | None = Field(None, description="CPUs the benchmark client runs on during a level ('1', "
+                                        "'2-3'), apart from the server's on a CPU host. Empty: any")
     max_loop_lag_ms: float = Field(10.0, gt=0, description="Client event-loop lag (p99) above which a level is flagged")
     request_timeout_s: float = Field(600.0, gt=0, description="Deadline per request")
 

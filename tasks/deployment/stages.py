@@ -70,6 +70,15 @@ def platform_label(gpu: GpuProbe) -> str:
     return gpu.platform + (f" ({len(gpu.gpus)}x {gpu.gpus[0].name})" if gpu.gpus else "")
 
 
+def gpus_used(gpu: GpuProbe, settings: VllmSettings) -> int | None:
+    """How many of this host's GPUs the server runs on (its share of the world size); None on a CPU host."""
+    if gpu.platform != "cuda":
+        return None
+    world = settings.tensor_parallel_size * settings.pipeline_parallel_size * (
+        settings.data_parallel_size_local or settings.data_parallel_size)
+    return min(len(gpu.gpus), world)
+
+
 def parallelism(settings: VllmSettings) -> str:
     return f"TP={settings.tensor_parallel_size}, EP={'on' if settings.enable_expert_parallel else 'off'}"
 

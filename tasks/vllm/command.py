@@ -14,7 +14,6 @@ from tasks.vllm.log import LOG_TAIL_LINES
 from tasks.vllm.options import installed_version, quick_check
 from tasks.vllm.settings import ServerConfig, VllmSettings
 
-
 NOT_FLAGS = ("extra_args", "env", "cpus")  # settings of the launch, not of vLLM
 
 
