@@ -49,7 +49,7 @@ def vllm_bench(base_url: str, streams: int, output_len: int, tokenizer: Path, ou
     args = ["--backend", "openai", "--base-url", base_url, "--model", "fake", "--tokenizer", str(tokenizer),
             "--dataset-name", "random", "--random-input-len", "16", "--random-output-len", str(output_len),
             "--num-prompts", str(streams), "--max-concurrency", str(streams), "--ignore-eos",
-            "--num-warmups", str(streams), "--disable-tqdm", "--save-result", "--result-dir", str(out),
+            "--num-warmups", str(streams), "--disable-tqdm", "--save-result", "--save-detailed", "--result-dir", str(out),
             "--result-filename", f"c{streams}.json"]
     done = subprocess.run([sys.executable, "-c", VLLM_BENCH, *args], capture_output=True, text=True)
     saved = out / f"c{streams}.json"

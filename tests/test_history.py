@@ -61,6 +61,8 @@ def test_a_drop_within_the_noise_passes_and_the_record_says_why():
     assert clear.status == "regressed" and "(-34%, beyond 10%, outside the noise)" in clear.note
     few = check_regression(before, _record(p99_ttft_ms=None), 0.1)
     assert few.status == "passed" and "p99 TTFT not gated: too few requests" in few.compared
+    moved = check_regression(before, _record(knee_concurrency=128, p99_ttft_ms=2000.0), 0.1)
+    assert moved.status == "passed" and "p99 TTFT not gated: the knee moved from concurrency 64 to 128" in moved.compared
 
 
 def test_history_reads_runs_of_two_models_back_and_finds_the_planted_regression():

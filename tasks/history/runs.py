@@ -87,6 +87,11 @@ def assess(previous: RunRecord, current: RunRecord, threshold: float | None) -> 
             found.append((f"{label} not gated: too few requests in this run to measure it", False))
         if not before or now is None:
             continue
+        if field == "p99_ttft_ms" and previous.knee_concurrency != current.knee_concurrency:
+            # TTFT grows with concurrency: at another knee it measures the load, not the model.
+            found.append((f"{label} not gated: the knee moved from concurrency {previous.knee_concurrency} to "
+                          f"{current.knee_concurrency}", False))
+            continue
         was, ci = getattr(previous, ci_field), getattr(current, ci_field)
         change = now / before - 1
         worse_by = -change if more_is_better else change
