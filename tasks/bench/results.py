@@ -222,7 +222,8 @@ def summarize(concurrency: int, run: LevelRun, spec: BenchSpec) -> LevelResult:
     window = measurement_window(run, spec)
     start, end = window or (0.0, duration)
     length = end - start
-    measured = [r for r in ok if start <= r.start_s < end] if window else ok
+    sent = [r for r in records if start <= r.start_s < end] if window else records
+    measured = [r for r in sent if r.ok]
     arrived, weights = _arrivals(ok)
     in_window = (arrived >= start) & (arrived < end) if window else np.ones(len(arrived), dtype=bool)
     output_tokens = float(weights[in_window].sum())  # in the window; the totals are the whole level's
@@ -233,13 +234,13 @@ def summarize(concurrency: int, run: LevelRun, spec: BenchSpec) -> LevelResult:
         if not r.ok:
             errors[r.error or "Unknown"] = errors.get(r.error or "Unknown", 0) + 1
     slos = spec.slos_ms
-    good = sum(_good(r, slos) for r in measured) if slos else None
+    good = sum(_good(r, slos) for r in sent) if slos else None  # a failed request misses every SLO
     lag_p99 = float(np.percentile(run.loop_lag_s, 99)) * 1000.0 if run.loop_lag_s else 0.0
     resolution = float(np.median(run.loop_lag_s)) * 1000.0 if run.loop_lag_s else 0.0
     cpu_share = run.client_cpu_s / duration if duration > 0 else 0.0
     s = run.server
     server_tok_s = _delta(s.generated) / duration if len(s.generated) > 1 and duration > 0 else None
-    attainment = good / len(measured) if good is not None and measured else None
+    attainment = good / len(sent) if good is not None and sent else None
     within_slo = None if attainment is None else attainment >= spec.slo_attainment
     flags = ", ".join(flag for flag, hit in (
         ("client-limited", lag_p99 > spec.max_loop_lag_ms or cpu_share > 0.9),
