@@ -263,7 +263,7 @@ def bench(
 
     stops: list[str] = []
     rows = sweep(spec, level, stops.append)
-    facts = {"Server": base_url, "Load": f"{spec.api}, input {spec.input_len}, output {spec.output_len} tokens"}
+    facts = {"Server": base_url, "Load": spec.load}
     save_results(rows, out, f"Benchmark of {model}", facts, stops[0] if stops else None)
     typer.echo("")
     _print_table(rows, stops[0] if stops else None)

@@ -58,6 +58,17 @@ class BenchSpec(BaseModel):
         return self
 
     @property
+    def load(self) -> str:
+        """The load in words, for the lines above a sweep's table."""
+        arrivals = (f"{self.request_rate:g} req/s (burstiness {self.burstiness:g}), at most the level's concurrency "
+                    "in flight" if self.request_rate else "the level's concurrency in flight")
+        ends = [f"{self.level_duration_s:g} s" if self.level_duration_s else "",
+                f"{self.requests_per_level} requests" if self.requests_per_level else ""]
+        return (f"{self.api}, input {self.input_len}, output {self.output_len} tokens; {arrivals}; levels of "
+                + " or ".join(e for e in ends if e)
+                + f", the first {self.warmup:.0%} and last {self.cooldown:.0%} not measured")
+
+    @property
     def slos_ms(self) -> dict[str, float]:
         slos = {"ttft": self.slo_ttft_ms, "tpot": self.slo_tpot_ms, "e2el": self.slo_e2el_ms}
         return {k: v for k, v in slos.items() if v is not None}

@@ -87,13 +87,10 @@ def bench_facts(config: DeployConfig, prepared: PreparedModel, gpu: GpuProbe, se
                 ) -> dict[str, str]:
     """The lines above the sweep table: what was measured, on what, under which load."""
     spec = config.bench
-    load = (f"{spec.api}, input {spec.input_len}, output {spec.output_len} tokens, "
-            + (f"{spec.request_rate} req/s (burstiness {spec.burstiness})" if spec.request_rate
-               else "all requests at once") + f", {spec.requests_per_level} per level")
     slo = {"SLO": ", ".join(f"{k} <= {v:g} ms" for k, v in spec.slos_ms.items())
            + f" for {spec.slo_attainment:.0%} of requests"} if spec.slos_ms else {}
     return {"Revision": f"{config.revision} ({prepared.commit[:12]})", "Platform": platform_label(gpu),
-            "Parallelism": parallelism(config.vllm), "Load": load, **slo,
+            "Parallelism": parallelism(config.vllm), "Load": spec.load, **slo,
             "vLLM": f"{server['vllm_version']}, ready in {server['startup_s']} s, KV cache "
                     f"{server.get('kv_cache_tokens', '?')} tokens"}
 
