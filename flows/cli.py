@@ -99,7 +99,11 @@ def demo(
         _fail(exc)
     typer.echo(f"\nINT4 variant {int4.repo_id}: validation {int4.validation.verdict} "
                f"({int4.validation.modules_packed} packed modules; validated, not served on CPU)")
-    typer.echo(f"Deployed {result.prepared.repo_id}@{result.prepared.commit[:12]} on {result.platform}\n")
+    typer.echo(f"Deployed {result.prepared.repo_id}@{result.prepared.commit[:12]} on {result.platform}")
+    if (answers := result.record.answers) is not None:
+        typer.echo(f"Answer check passed: {answers.accuracy:.0%} of {len(answers.outputs)} probes answered right"
+                   + (f", perplexity of the reference text {answers.perplexity:.3g}" if answers.perplexity else ""))
+    typer.echo("")
     _print_table(result.results, result.sweep_end)
     if result.record.compared:
         typer.echo(f"\nCompared with the previous demo run, {result.record.compared}.\nNot gated: the demo "

@@ -16,6 +16,7 @@ from prefect.futures import wait
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from tasks.answers.check import AnswerBaseline
 from tasks.artifacts import FetchProgress, model_slug, publish_fetch, publish_rollback
 from tasks.bench.results import LevelResult
 from tasks.bench.sweep import sweep
@@ -34,13 +35,14 @@ from tasks.deployment.stages import (
     vocab_size,
 )
 from tasks.disk import GB
-from tasks.errors import RegressionError, first_line
+from tasks.errors import AnswerCheckFailed, RegressionError, first_line
 from tasks.gpu import GpuProbe
 from tasks.history.last_good import LastGood, read_last_good, serving_deployment, write_last_good
 from tasks.history.runs import RunRecord, check_regression, run_record
 from tasks.host_lock import host_lock
 from tasks.hub import RepoSnapshot, missing_bytes, record_revision, snapshot_dir
 from tasks.steps import (
+    answer_check,
     bench_level,
     check_gpus,
     evict_models,
@@ -169,12 +171,31 @@ def deploy_model(config: DeployConfig) -> DeployResult:
 
 def _serve_and_bench(config: DeployConfig, prepared: PreparedModel, gpu: GpuProbe, server: ServerConfig,
                      last_run: RunRecord | None) -> tuple[ServerHandle, RunRecord, list[LevelResult], str | None]:
-    """Start (readiness includes a real token), sweep, publish, compare; a regression raises."""
+    """Start (readiness includes a real token), check its answers, sweep, publish, compare; wrong
+    answers or a regression raise, with the run in the history either way."""
     logger = get_run_logger()
     handle, facts = start_vllm(server, config.run_dir, config.startup_timeout_s, config.api_key_secret,
                                config.repo_id)
+
+    def record_of(rows: list[LevelResult], answers: AnswerBaseline | None) -> RunRecord:
+        return run_record(rows, config.repo_id, config.revision, prepared.commit, platform_label(gpu),
+                          facts["vllm_version"], parallelism(config.vllm), str(flow_run.get_id() or "") or None,
+                          answers)
+
     try:
         logger.info("vLLM ready at %s after %.0f s", handle.base_url, handle.startup_s)
+        answers = None
+        if config.answers.enabled:
+            report = answer_check(handle.base_url, server.served_model_name, config.answers, prepared.model_dir,
+                                  last_run.answers if last_run else None,
+                                  last_run is not None and last_run.commit == prepared.commit,
+                                  config.repo_id, handle.api_key)
+            answers = report.baseline
+            if not report.passed:
+                why = "; ".join(report.problems)
+                publish_record(record_of([], answers).model_copy(update={"status": "failed", "note": why}))
+                raise AnswerCheckFailed(f"{config.repo_id}@{prepared.commit[:12]}: {why}")
+            logger.info("answer check passed: %.0f%% of %d probes right", 100 * report.accuracy, len(report.results))
         results_dir = (config.run_dir / "bench" / model_slug(config.repo_id)
                        / datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ"))
         vocab, stops, gpus = vocab_size(prepared.model_dir), [], gpus_used(gpu, config.vllm)
@@ -185,9 +206,7 @@ def _serve_and_bench(config: DeployConfig, prepared: PreparedModel, gpu: GpuProb
             logger.info("%s; the sweep stops", reason)
         publish_results(rows, config.repo_id, bench_facts(config, prepared, gpu, facts), results_dir,
                         stops[0] if stops else None, gpus)
-        run = run_record(rows, config.repo_id, config.revision, prepared.commit, platform_label(gpu),
-                         facts["vllm_version"], parallelism(config.vllm), str(flow_run.get_id() or "") or None)
-        record = publish_record(check_regression(last_run, run, config.max_regression))
+        record = publish_record(check_regression(last_run, record_of(rows, answers), config.max_regression))
         if record.status == "regressed":
             raise RegressionError(f"{config.repo_id}@{prepared.commit[:12]} {record.note}")
     except BaseException:

@@ -22,6 +22,7 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
+from tasks.answers.check import AnswerReport
 from tasks.checkpoint.rules import ValidationReport
 from tasks.disk import GB, DiskPlan, EvictionResult, plan_summary
 from tasks.errors import ServerStartError, first_line
@@ -181,6 +182,27 @@ def publish_rollback(repo_id: str, restored: str, reason: BaseException, outcome
 
 
 # Benchmark and history
+def publish_answers(report: AnswerReport, repo_id: str) -> None:
+    """Each probe with the expected answer, the new output and the last good one, side by side."""
+    def cell(text: str | None) -> str:
+        return "-" if text is None else "`" + text.replace("|", "\\|").replace("\n", "\\n")[:60] + "`"
+
+    was = report.last_good
+    figures = [f"- **Accuracy:** {report.accuracy:.0%} of {len(report.results)} probes"
+               + (f" (last good: {was.accuracy:.0%})" if was else " (first deployment: absolute checks only)"),
+               "- **Perplexity of the reference text:** " + (f"{report.perplexity:.3g}" if report.perplexity else
+                                                           "not available from this server")
+               + (f" (last good: {was.perplexity:.3g})" if was and was.perplexity else ""),
+               f"- **Repeated 3-grams:** {report.repeated_ngrams:.0%}"
+               + (f" (last good: {was.repeated_ngrams:.0%})" if was else "")]
+    verdict = "passed" if report.passed else "FAILED: " + "; ".join(report.problems)
+    rows = ["| prompt | expected | new output | last good output | right |", "|---|---|---|---|---|"]
+    rows += [f"| {cell(r.prompt)} | {cell(r.expected)} | {cell(r.output)} | {cell(r.last_good)} | "
+             f"{'yes' if r.correct else 'no'} |" for r in report.results]
+    create_markdown_artifact(key=f"answers-{model_slug(repo_id)}", description=f"answer check {verdict}"[:200],
+                             markdown="\n".join([f"# Answer check: {verdict}", "", *figures, "", *rows]))
+
+
 def publish_bench(df: pd.DataFrame, markdown: str, repo_id: str) -> None:
     slug = model_slug(repo_id)
     create_table_artifact(

@@ -74,6 +74,10 @@ class BenchConfigError(UnusableInput, ValueError):
     """The benchmark cannot build its prompts from what it was given."""
 
 
+class AnswerCheckFailed(RolloutError):
+    """The new server answers its probes wrong, degenerately, or worse than the last good deployment."""
+
+
 class RegressionError(RolloutError):
     """A run benchmarks worse than the last good run of the same model on the same GPUs, beyond the
     allowed threshold."""

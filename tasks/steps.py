@@ -15,6 +15,8 @@ from prefect.blocks.system import Secret
 from prefect.cache_policies import NO_CACHE
 
 from tasks import artifacts
+from tasks.answers.check import AnswerBaseline, AnswerReport, check_answers
+from tasks.answers.spec import AnswerSpec
 from tasks.bench.load import run_level
 from tasks.bench.report import save_results
 from tasks.bench.results import LevelResult
@@ -164,6 +166,18 @@ def stop_vllm(handle: ServerHandle) -> None:
 def stop_serving(run_dir: Path, what: str) -> None:
     """The host's current server, stopped so the new model gets the GPUs (one model at a time)."""
     reap_stale(run_dir / "server.json")
+
+
+# Answers
+@task(name="answer-check", tags=["answers"], cache_policy=NO_CACHE)
+def answer_check(base_url: str, model: str, spec: AnswerSpec, model_dir: Path, last_good: AnswerBaseline | None,
+                 same_commit: bool, repo_id: str, api_key: str | None = None) -> AnswerReport:
+    """The check, published; the flow decides what a failed one means (it records it, then raises)."""
+    if spec.probes is not None and not spec.probes.is_absolute():  # a probe set shipped with the model
+        spec = spec.model_copy(update={"probes": model_dir / spec.probes})
+    report = check_answers(base_url, model, spec, last_good, same_commit, api_key)
+    artifacts.publish_answers(report, repo_id)
+    return report
 
 
 # Benchmark and history

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from flows.demo.checkpoint import build_bf16, build_int4
+from flows.demo.checkpoint import PROBES_FILE, build_bf16, build_int4, counting
 from flows.demo.hub_server import LocalHub
 
 BF16_REPO = "demo/tiny-moe"
@@ -29,6 +29,7 @@ def build_demo_repos(hub_root: Path) -> None:
 
 def demo_config(endpoint: str, models_root: Path, **overrides):
     """The demo's DeployConfig; an override named like a VllmSettings or BenchSpec field goes there."""
+    from tasks.answers.spec import AnswerSpec
     from tasks.bench.spec import BenchSpec
     from tasks.deployment.config import DeployConfig
     from tasks.vllm.settings import VllmSettings
@@ -56,6 +57,8 @@ def demo_config(endpoint: str, models_root: Path, **overrides):
         port=0,
         startup_timeout_s=600,
         bench=BenchSpec(**bench),
+        # The model counts on: its own probes, and a counting text whose perplexity drifts when it breaks.
+        answers=AnswerSpec(probes=Path(PROBES_FILE), reference_text=counting(10, 40), max_tokens=6),
         keep_serving=False,  # the demo ends with nothing running
     )
     return DeployConfig(**{**settings, **overrides})

@@ -4,6 +4,10 @@ The shape mirrors Kimi-K2.5 (MLA attention, a dense first layer, routed and shar
 noaux_tc router) at a size vLLM's CPU build loads in about a minute. The INT4 variant uses the real
 compressed-tensors pack-quantized layout with Kimi-K2.5's ignore list, so validation sees the same
 tensor names and dtypes it will see on the 595 GB model.
+
+The bf16 model is trained, briefly, to count on ("41 42 43" -> " 44 45 46"), so that its answers
+can be checked: a healthy copy answers its probes, a damaged one does not. Counting is a task a
+two-layer MoE learns in about 15 s on two cores, on the locally trained tokenizer.
 """
 
 from __future__ import annotations
@@ -59,6 +63,21 @@ _CORPUS_WORDS = (
 ).split()
 
 
+NUMBERS = [str(n) for n in range(100)]  # the counting task's words: one token each
+COUNT_LEN = 12  # numbers per training sequence
+TRAIN_STEPS = 300
+PROBES_FILE = "answer-probes.jsonl"  # the probe set ships with the model, as a file of its repo
+
+
+def counting(start: int, length: int) -> str:
+    return " ".join(NUMBERS[start:start + length])
+
+
+def counting_probes() -> list[dict[str, str]]:
+    """The demo model's probe set: three numbers, and the three that follow."""
+    return [{"prompt": counting(a, 3), "expected": " " + counting(a + 3, 3)} for a in range(0, 94, 3)]
+
+
 def train_tokenizer(out_dir: Path, vocab_size: int, seed: int) -> None:
     """Train a byte-level BPE locally: the Hub is out of reach, and vLLM needs a real tokenizer."""
     import random
@@ -67,7 +86,7 @@ def train_tokenizer(out_dir: Path, vocab_size: int, seed: int) -> None:
     from transformers import PreTrainedTokenizerFast
 
     rng = random.Random(seed)
-    lines = [" ".join(rng.choices(_CORPUS_WORDS, k=24)) for _ in range(2000)]
+    lines = [" ".join(rng.choices(_CORPUS_WORDS + NUMBERS, k=24)) for _ in range(2000)]
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -82,16 +101,28 @@ def train_tokenizer(out_dir: Path, vocab_size: int, seed: int) -> None:
 
 
 def build_bf16(out_dir: Path, seed: int = 0) -> Path:
-    """Random-weight bf16 checkpoint plus tokenizer; returns the directory."""
+    """A bf16 checkpoint trained to count on, plus its tokenizer; returns the directory."""
+    import random
+
     import torch
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers import AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    config = DeepseekV3Config(**TINY_CONFIG, bos_token_id=0, eos_token_id=1)
-    model = DeepseekV3ForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(out_dir)
     train_tokenizer(out_dir, TINY_CONFIG["vocab_size"], seed)
+    tokenizer = AutoTokenizer.from_pretrained(out_dir)
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**TINY_CONFIG, bos_token_id=0, eos_token_id=1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(TRAIN_STEPS):
+        batch = torch.tensor([tokenizer(counting(rng.randrange(100 - COUNT_LEN), COUNT_LEN))["input_ids"]
+                              for _ in range(32)])
+        loss = model(input_ids=batch, labels=batch).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.to(torch.bfloat16).save_pretrained(out_dir)
+    (out_dir / PROBES_FILE).write_text("".join(json.dumps(p) + "\n" for p in counting_probes()))
     return out_dir
 
 

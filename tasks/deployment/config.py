@@ -10,6 +10,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
+from tasks.answers.spec import AnswerSpec
 from tasks.bench.spec import BenchSpec
 from tasks.vllm.settings import VllmSettings
 
@@ -34,6 +35,7 @@ class DeployConfig(BaseModel):
     port: int = Field(8000, ge=0, le=65535, description="Server port; 0 picks a free one")
     api_key_secret: str | None = Field(None, description="Prefect Secret block holding the server's API key")
     startup_timeout_s: float = Field(1800, gt=0, description="Load deadline; a 1T model takes 5-15 minutes")
+    answers: AnswerSpec = Field(default_factory=AnswerSpec, description="The answer check before the benchmark")
     bench: BenchSpec = Field(default_factory=BenchSpec, description="Benchmark load and sweep")
     keep_serving: bool = Field(True, description="Leave the new server serving after its benchmark (the "
                                "deployment); off stops it, and a server it replaced stays stopped")

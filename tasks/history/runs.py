@@ -14,12 +14,13 @@ from datetime import datetime, timezone
 import pandas as pd
 from pydantic import BaseModel
 
+from tasks.answers.check import AnswerBaseline
 from tasks.bench.results import LevelResult
 from tasks.bench.sweep import knee
 
 # Columns of the comparison table, in print order.
 COLUMNS = ["time", "model", "revision", "single_stream_tok_s", "peak_tok_s", "knee_concurrency", "p99_ttft_ms",
-           "vllm_version", "gpu", "status", "change", "regression"]
+           "accuracy", "perplexity", "vllm_version", "gpu", "status", "change", "regression"]
 
 
 class RunRecord(BaseModel):
@@ -41,6 +42,7 @@ class RunRecord(BaseModel):
     single_stream_ci: tuple[float, float] | None = None
     peak_ci: tuple[float, float] | None = None
     p99_ttft_ci: tuple[float, float] | None = None
+    answers: AnswerBaseline | None = None  # the answer check's figures and outputs: the next check's baseline
     status: str = "passed"
     note: str = ""
     compared: str = ""  # the change against the previous good run of the same model on the same GPUs
@@ -48,7 +50,7 @@ class RunRecord(BaseModel):
 
 
 def run_record(results: list[LevelResult], model: str, revision: str, commit: str, gpu: str, vllm_version: str,
-               parallelism: str, flow_run_id: str | None = None) -> RunRecord:
+               parallelism: str, flow_run_id: str | None = None, answers: AnswerBaseline | None = None) -> RunRecord:
     """Single stream, the knee's throughput and its p99 TTFT, from one sweep's rows."""
     best = knee(results)
     single = next((r for r in results if r.concurrency == 1), None)
@@ -63,6 +65,7 @@ def run_record(results: list[LevelResult], model: str, revision: str, commit: st
         peak_ci=best.output_throughput_ci if best else None,
         p99_ttft_ci=best.ttft.p99_ci if best else None,
         flow_run_id=flow_run_id,
+        answers=answers,
     )
 
 
@@ -135,6 +138,9 @@ def comparison(records: list[RunRecord], threshold: float | None = 0.1) -> pd.Da
         if record.status == "passed" and not found:
             last_passed[(record.model, record.gpu)] = record
         revision = record.commit[:12] if record.revision == record.commit else f"{record.revision} ({record.commit[:7]})"
+        answers = record.answers
         rows.append({**record.model_dump(), "time": f"{record.time:%Y-%m-%d %H:%M:%S}", "revision": revision,
+                     "accuracy": answers.accuracy if answers else None,
+                     "perplexity": answers.perplexity if answers else None,
                      "change": change, "regression": "; ".join(found)})
     return pd.DataFrame(rows, columns=COLUMNS)

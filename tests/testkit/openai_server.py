@@ -77,6 +77,9 @@ class StreamingServer:
                          "param": "prompt", "code": None}
                 await self._plain(send, json.dumps({"error": error}).encode(), status=400)
                 return
+            if not request.get("stream"):  # one JSON body, as the answer check asks for
+                await self._whole(send, request, chat=path.endswith("chat/completions"))
+                return
             await self._stream(send, request, chat=path.endswith("chat/completions"))
         else:
             await self._plain(send, b"not found", status=404)
@@ -97,6 +100,19 @@ class StreamingServer:
             "# TYPE vllm:prefix_cache_queries counter\n", f"vllm:prefix_cache_queries_total{labels} {self.prefix_queries}\n",
             "# TYPE vllm:prefix_cache_hits counter\n", f"vllm:prefix_cache_hits_total{labels} {self.prefix_hits}\n",
         ])
+
+    async def _whole(self, send, body: dict, chat: bool) -> None:
+        """The same tokens, " t" each, as one response: what a stream stuck on one token says."""
+        n = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
+        await asyncio.sleep(self.ttft_s + n * self.itl_s)
+        text = " t" * n
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"} if chat
+                  else {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"})
+        reply = {"id": "x", "object": "chat.completion" if chat else "text_completion", "created": 0,
+                 "model": body["model"], "choices": [choice],
+                 "usage": {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}}
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": json.dumps(reply).encode()})
 
     async def _stream(self, send, body: dict, chat: bool) -> None:
         self.waiting += 1

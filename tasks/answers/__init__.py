@@ -1,0 +1,1 @@
+"""The answer check: a deployment that talks nonsense is never promoted."""
