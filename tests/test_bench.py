@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from tasks.bench.load import _watch_loop, run_level
+from tasks.bench.metrics import parse_metrics
 from tasks.bench.prompts import arrival_times, level_prompts, make_prompts
 from tasks.bench.report import save_results
 from tasks.bench.results import LevelResult, LevelRun, RequestRecord, ServerSamples, summarize
@@ -172,6 +173,25 @@ def test_server_queueing_is_scraped_from_metrics_and_flagged(tmp_path):
                  "mean_itl_ms", "p99_itl_ms", "mean_e2el_ms", "p99_e2el_ms"}
     assert vllm_keys <= saved.keys()
     assert saved["output_lens"] == [20] * 16 and len(saved["itls"][0]) == 19
+
+
+def test_only_the_samples_a_level_reads_are_parsed_summed_over_engines():
+    # vLLM's exposition, abridged: two engines, a longer name sharing a prefix, histograms, comments.
+    text = "\n".join([
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+        "# TYPE vllm:num_requests_running gauge",
+        'vllm:num_requests_running{engine="0",model_name="m"} 3.0',
+        'vllm:num_requests_running{engine="1",model_name="m"} 2.0',
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 1.0',
+        'vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="capacity"} 7.0',
+        'vllm:generation_tokens_total{engine="0",model_name="m"} 1200.0',
+        'vllm:generation_tokens_created{engine="0",model_name="m"} 1.79e+09',
+        *(f'vllm:e2e_request_latency_seconds_bucket{{engine="0",le="{le}"}} 4.0' for le in ("0.3", "+Inf")),
+        "http_requests_total 9.0",
+    ])
+    assert parse_metrics(text) == {"vllm:num_requests_running": 5.0, "vllm:num_requests_waiting": 1.0,
+                                   "vllm:generation_tokens_total": 1200.0}
+    assert parse_metrics("<html>Not Found</html>") == {}  # not vLLM's: no server-side view
 
 
 @pytest.mark.parametrize("resets", [True, False])

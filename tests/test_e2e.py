@@ -50,9 +50,16 @@ def test_demo_deploys_benchmarks_and_publishes(tmp_path):
     rows = sorted(result.results, key=lambda r: r.concurrency)
     levels = [r.concurrency for r in rows]
     assert levels == [1, 2, 4, 8, 16, 32, 64, 128, 256][: len(levels)] and len(levels) >= 4
+    knee = result.record.knee_concurrency
+    assert knee in levels
     for row in rows:
+        assert row.failed == 0
+        if row.concurrency > knee and not row.steady:
+            # Past the knee, 256 requests queued on two cores can outlast a 3 s level: said, not measured.
+            assert "no-steady-state" in row.flags and row.output_throughput_ci is None
+            continue
         # Time-based levels, each with a steady state measured between its warm-up and cool-down.
-        assert row.failed == 0 and row.steady and 0 < row.measured < row.requests
+        assert row.steady and 0 < row.measured < row.requests
         assert row.window == pytest.approx(0.8 * 3.0, rel=0.05)
         assert row.total_output_tokens == row.completed * 32  # ignore_eos + min_tokens
         assert row.output_throughput_ci[0] <= row.output_throughput <= row.output_throughput_ci[1]
@@ -61,7 +68,8 @@ def test_demo_deploys_benchmarks_and_publishes(tmp_path):
         assert "client-limited" not in row.flags
         assert row.e2el.median >= row.ttft.median
         assert row.server_running_max is not None  # vLLM's /metrics was scraped during the level
-        assert row.server_prefix_cache_hit_rate is not None  # and its prefix-cache counters with it
+        # vLLM's CPU build turns prefix caching off for MLA models: no lookups, so no rate (not 0%).
+        assert row.server_prefix_cache_hit_rate is None
 
     table = artifact("bench-demo-tiny-moe")
     assert table.type == "table"

@@ -10,10 +10,23 @@ from prometheus_client.parser import text_string_to_metric_families
 from tasks.bench.results import ServerSamples
 
 
+# The samples a level reads. vLLM's /metrics is ~50 KB of histograms (it ignores Prometheus's
+# `name[]` filter); parsed whole it held the client's event loop 11 ms every scrape, and each
+# chunk timestamp waited as long (the demo's levels were all flagged client-limited).
+RUNNING, WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
+KV_USAGE, KV_USAGE_V0 = "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"
+GENERATED = "vllm:generation_tokens_total"
+PREFIX_QUERIES, PREFIX_HITS = "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"
+SAMPLES = frozenset({RUNNING, WAITING, KV_USAGE, KV_USAGE_V0, GENERATED, PREFIX_QUERIES, PREFIX_HITS})
+
+
 def parse_metrics(text: str) -> dict[str, float]:
-    """Sums per metric over label sets (engines, models): one server's totals."""
+    """The named samples, summed over label sets (engines, models): one server's totals. Other
+    lines are dropped before the Prometheus parser sees them."""
+    kept = "\n".join(line for line in text.splitlines()
+                      if line[:1] not in ("#", "") and line.partition("{")[0].partition(" ")[0] in SAMPLES)
     totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(kept + "\n"):
         for sample in family.samples:
             totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
     return totals
@@ -28,17 +41,19 @@ async def scrape(http: httpx.AsyncClient, url: str, samples: ServerSamples, inte
             values = parse_metrics(response.text)
         except (httpx.HTTPError, ValueError):
             return
-        samples.running.append(values.get("vllm:num_requests_running", 0.0))
-        samples.waiting.append(values.get("vllm:num_requests_waiting", 0.0))
-        samples.kv_usage.append(values.get("vllm:kv_cache_usage_perc", values.get("vllm:gpu_cache_usage_perc", 0.0)))
+        if not values:
+            return  # metrics, but not vLLM's
+        samples.running.append(values.get(RUNNING, 0.0))
+        samples.waiting.append(values.get(WAITING, 0.0))
+        samples.kv_usage.append(values.get(KV_USAGE, values.get(KV_USAGE_V0, 0.0)))
         _counters(values, samples)
         await asyncio.sleep(interval_s)
 
 
 def _counters(values: dict[str, float], samples: ServerSamples) -> None:
-    samples.generated.append(values.get("vllm:generation_tokens_total", 0.0))
-    samples.prefix_queries.append(values.get("vllm:prefix_cache_queries_total", 0.0))
-    samples.prefix_hits.append(values.get("vllm:prefix_cache_hits_total", 0.0))
+    samples.generated.append(values.get(GENERATED, 0.0))
+    samples.prefix_queries.append(values.get(PREFIX_QUERIES, 0.0))
+    samples.prefix_hits.append(values.get(PREFIX_HITS, 0.0))
 
 
 async def scrape_once(http: httpx.AsyncClient, url: str, samples: ServerSamples) -> None:
