@@ -15,7 +15,7 @@ from tasks.errors import ServerStartError
 from tasks.vllm.command import NOT_FLAGS, build_command, check_arguments
 from tasks.vllm.log import classify_failure, server_facts
 from tasks.vllm.options import quick_check
-from tasks.vllm.process import group_members, reap_stale, served_model, serving_group, start_server, stop_group
+from tasks.vllm.process import ensure_port_free, group_members, reap_stale, served_model, serving_group, start_server, stop_group
 from tasks.vllm.settings import ServerConfig, VllmSettings
 
 # A leader that ignores SIGTERM and a child that does too: only SIGKILL of the group ends them.
@@ -145,6 +145,21 @@ def test_port_in_use_fails_before_launch(tmp_path):
         with pytest.raises(ServerStartError, match=f"port 127.0.0.1:{port} is already in use") as info:
             start_server(ServerConfig(model_path=tmp_path, served_model_name="m", port=port), tmp_path)
     assert info.value.cause == "port-in-use"
+
+
+def test_a_port_whose_last_server_just_closed_is_free_again():
+    # The rollback restarts the last good server on its old address seconds after the new one
+    # stopped: the stopped server closed its connections first, so they wait in TIME_WAIT on that
+    # port. vLLM (uvicorn, SO_REUSEADDR) binds it; the check before launch must agree.
+    listener = socket.create_server(("127.0.0.1", 0))  # SO_REUSEADDR, as uvicorn's
+    port = listener.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    served, _ = listener.accept()
+    served.close()  # the server side closes first: its end goes to TIME_WAIT
+    client.recv(1)
+    client.close()
+    listener.close()
+    ensure_port_free("127.0.0.1", port)
 
 
 def test_cpus_the_host_does_not_have_fail_before_launch(tmp_path):

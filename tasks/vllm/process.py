@@ -42,7 +42,10 @@ def _free_port(host: str) -> int:
 
 
 def ensure_port_free(host: str, port: int) -> None:
+    """Refuse a port something listens on. SO_REUSEADDR, as vLLM's uvicorn binds: without it, the
+    TIME_WAIT connections a just-stopped server leaves would refuse its own rollback's restart."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as exc:
