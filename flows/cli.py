@@ -302,9 +302,11 @@ def history(
         typer.echo(f"no benchmarked deployments{f' of {model}' if model else ''} in Prefect's history")
         raise typer.Exit(0)
     columns = ["time", "model", "revision", "single_stream_tok_s", "peak_tok_s", "knee_concurrency", "p99_ttft_ms",
-               "status", "change"] + (["vllm_version", "gpu"] if wide else [])
+               "accuracy", "perplexity", "status", "change"] + (["vllm_version", "gpu"] if wide else [])
+    shown = table.round({"single_stream_tok_s": 1, "peak_tok_s": 1, "p99_ttft_ms": 1, "perplexity": 2}).assign(
+        accuracy=table["accuracy"].map(lambda a: f"{a:.0%}" if pd.notna(a) else "-"))
     with pd.option_context("display.width", 250, "display.max_columns", None):
-        typer.echo(table[columns].round(1).to_string(index=False))
+        typer.echo(shown[columns].to_string(index=False, na_rep="-"))
     newest = table.groupby("model").tail(1)
     for row in newest[newest["regression"] != ""].itertuples():
         typer.echo(f"regression: {row.model} at {row.revision}: {row.regression}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from datetime import datetime, timedelta, timezone
 
@@ -12,6 +13,7 @@ from typer.testing import CliRunner
 
 from flows.cli import app
 from flows.compare import CompareConfig, compare_runs
+from tasks.answers.check import AnswerBaseline
 from tasks.artifacts import read_history
 from tasks.bench.load import run_level
 from tasks.bench.spec import BenchSpec
@@ -25,11 +27,12 @@ SPEC = BenchSpec(concurrency_levels=[1, 4], requests_per_level=4, input_len=16, 
 
 
 @flow(name="benchmarked-run")
-def _benchmarked_run(model: str, commit: str, ttft_s: float, itl_s: float) -> RunRecord:
+def _benchmarked_run(model: str, commit: str, ttft_s: float, itl_s: float,
+                     answers: AnswerBaseline | None = None) -> RunRecord:
     """A deploy's tail end: a real sweep against a server of known speed, then its history record."""
     with StreamingServer(ttft_s=ttft_s, itl_s=itl_s) as server:
         rows = [run_level(server.base_url, "fake", SPEC, c, vocab_size=1000) for c in SPEC.concurrency_levels]
-    return publish_record(run_record(rows, model, "main", commit, "cpu (test)", "0.32.0", "TP=1, EP=off"))
+    return publish_record(run_record(rows, model, "main", commit, "cpu (test)", "0.32.0", "TP=1, EP=off", answers=answers))
 
 
 def _record(**numbers) -> RunRecord:
@@ -69,7 +72,8 @@ def test_history_reads_runs_of_two_models_back_and_finds_the_planted_regression(
     tag = uuid.uuid4().hex[:8]
     fast, slow = f"hist-{tag}/int4", f"hist-{tag}/nvfp4"
     for i in range(3):
-        _benchmarked_run(fast, f"{i:040d}", ttft_s=0.01, itl_s=0.002)
+        checked = AnswerBaseline(accuracy=1 - i / 32, perplexity=1.38 + i, repeated_ngrams=0.0, outputs={})
+        _benchmarked_run(fast, f"{i:040d}", ttft_s=0.01, itl_s=0.002, answers=checked)
     _benchmarked_run(slow, "1" * 40, ttft_s=0.01, itl_s=0.002)
     _benchmarked_run(slow, "2" * 40, ttft_s=0.04, itl_s=0.008)  # planted: 4x slower tokens
 
@@ -84,6 +88,9 @@ def test_history_reads_runs_of_two_models_back_and_finds_the_planted_regression(
     assert "single_stream_tok_s" in lines[0] and "peak_tok_s" in lines[0] and "p99_ttft_ms" in lines[0]
     ours = [line for line in lines if f"hist-{tag}/" in line and not line.startswith("regression")]
     assert [line.split()[2] for line in ours] == [fast] * 3 + [slow] * 2
+    # The answer check's figures beside the speed; runs without one say so.
+    assert "accuracy" in lines[0] and "perplexity" in lines[0]
+    assert [line.split()[9:11] for line in ours] == [["100%", "1.38"], ["97%", "2.38"], ["94%", "3.38"]] + [["-", "-"]] * 2
     assert f"regression: {slow} at main (2222222): single stream" in result.stdout
 
     one = CliRunner().invoke(app, ["history", fast, "--threshold", "0.5", "--wide"])
@@ -94,6 +101,9 @@ def test_history_reads_runs_of_two_models_back_and_finds_the_planted_regression(
         compare_runs(CompareConfig(models=[fast, slow], threshold=0.5, fail_on_regression=True))
     table = artifact("run-comparison")
     assert table.type == "table" and table.description == "5 runs of 2 model(s)"
+    compared = json.loads(table.data) if isinstance(table.data, str) else table.data
+    assert [(r["accuracy"], r["perplexity"]) for r in compared if r["model"] == fast] == \
+        [(1.0, 1.38), (1 - 1 / 32, 2.38), (1 - 2 / 32, 3.38)]
     assert f"**Regressed:** {slow} at main (2222222)" in artifact("run-comparison-summary").data
 
 
