@@ -15,7 +15,15 @@ from tasks.errors import ServerStartError
 from tasks.vllm.command import NOT_FLAGS, build_command, check_arguments
 from tasks.vllm.log import classify_failure, server_facts
 from tasks.vllm.options import quick_check
-from tasks.vllm.process import ensure_port_free, group_members, reap_stale, served_model, serving_group, start_server, stop_group
+from tasks.vllm.process import (
+    ensure_port_free,
+    group_members,
+    reap_stale,
+    served_model,
+    serving_group,
+    start_server,
+    stop_group,
+)
 from tasks.vllm.settings import ServerConfig, VllmSettings
 
 # A leader that ignores SIGTERM and a child that does too: only SIGKILL of the group ends them.

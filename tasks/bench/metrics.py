@@ -9,7 +9,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tasks.bench.results import ServerSamples
 
-
 # The samples a level reads. vLLM's /metrics is ~50 KB of histograms (it ignores Prometheus's
 # `name[]` filter); parsed whole it held the client's event loop 11 ms every scrape, and each
 # chunk timestamp waited as long (the demo's levels were all flagged client-limited).
