@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -35,8 +36,9 @@ def _event(payload: dict) -> bytes:
 class StreamingServer:
     def __init__(self, ttft_s: float = 0.0, itl_s: float = 0.0, tokens_per_chunk: int = 1,
                  slots: int | None = None, events_per_write: int = 1, port: int = 0, rejects: str | None = None,
-                 resets: bool = True):
+                 resets: bool = True, cpus: set[int] | None = None):
         self.ttft_s, self.itl_s, self.tokens_per_chunk = ttft_s, itl_s, tokens_per_chunk
+        self.cpus = cpus  # the server's cores, apart from the client's as the demo keeps vLLM's
         self.rejects, self.resets = rejects, resets
         self.cached: set[str] = set()
         self.prefix_queries = self.prefix_hits = 0
@@ -191,6 +193,8 @@ class StreamingServer:
         if not self.resets:
             args += ["--no-resets"]
         self._child = subprocess.Popen(args, stdout=subprocess.DEVNULL)
+        if self.cpus:
+            os.sched_setaffinity(self._child.pid, self.cpus)
         deadline = time.monotonic() + 30
         while True:
             try:
