@@ -243,6 +243,12 @@ def test_sweep_stops_when_the_slo_breaks_and_the_knee_stays_within_it():
     assert knee(rows).concurrency == 2
 
 
+def test_a_level_without_a_steady_state_is_no_knee_beside_steady_ones():
+    rows = [_level(1, 80.0), _level(2, 150.0), _level(4, 160.0).model_copy(update=dict(steady=False))]
+    assert knee(rows).concurrency == 2  # 160 tok/s there includes its fill and drain
+    assert knee(rows[2:]).concurrency == 4  # the only level measured: still named
+
+
 def test_a_level_where_every_request_failed_is_reported_and_ends_the_sweep(tmp_path):
     refused = RequestRecord(ok=False, start_s=0, e2e_s=0.01, error="HTTP500", message="HTTP500: engine dead")
     good = summarize(1, _run([_ok(start_s=0, e2e_s=0.5, ttft_s=0.05, itl_s=[0.01], prompt_tokens=8,

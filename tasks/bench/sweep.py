@@ -38,6 +38,9 @@ def sweep(spec: BenchSpec, level: Callable[[int], LevelResult],
 
 
 def knee(results: list[LevelResult]) -> LevelResult | None:
-    """The level of best output throughput among those within the SLO (all, when none was given)."""
+    """The level of best output throughput among those within the SLO (all, when none was given).
+    A level too short for a steady state is a knee only when no level had one: its throughput
+    includes the fill and drain, so it is no peak to compare a next run with."""
     eligible = [r for r in results if r.within_slo is not False and r.completed > 0]
-    return max(eligible, key=lambda r: r.output_throughput) if eligible else None
+    steady = [r for r in eligible if r.steady] or eligible
+    return max(steady, key=lambda r: r.output_throughput) if steady else None
