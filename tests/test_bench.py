@@ -302,6 +302,7 @@ HEADLINE = {
 }
 
 
+@pytest.mark.repeatability
 def test_intervals_hold_the_other_repeats_and_narrow_as_the_level_grows(tmp_path):
     widths = {}
     # Server and client on cores of their own, as the demo runs vLLM and the client: sharing them,
