@@ -6,6 +6,7 @@ the scheduler; each gets its own CPUs instead. One type for both forms, one pars
 
 from __future__ import annotations
 
+import os
 from typing import Annotated
 
 from pydantic import StringConstraints
@@ -22,3 +23,10 @@ def parse_cpus(cpus: str | None) -> set[int] | None:
         low, _, high = part.partition("-")
         found.update(range(int(low), int(high or low) + 1))
     return found
+
+
+def server_and_client_cpus() -> tuple[CpuList | None, CpuList | None]:
+    """Every usable core but the last for the server, the last for the client; (None, None) on one
+    core, where there is nothing to split."""
+    cores = sorted(os.sched_getaffinity(0))
+    return (",".join(map(str, cores[:-1])), str(cores[-1])) if len(cores) > 1 else (None, None)

@@ -18,6 +18,7 @@ from tasks.bench.report import save_results
 from tasks.bench.results import Latency, LevelResult, LevelRun, RequestRecord, ServerSamples, summarize
 from tasks.bench.spec import BenchSpec, geometric_levels
 from tasks.bench.sweep import knee, stop_reason, sweep
+from tasks.cpus import server_and_client_cpus
 from tasks.errors import BenchConfigError
 from testkit.openai_server import StreamingServer
 
@@ -307,8 +308,7 @@ def test_intervals_hold_the_other_repeats_and_narrow_as_the_level_grows(tmp_path
     widths = {}
     # Server and client on cores of their own, as the demo runs vLLM and the client: sharing them,
     # the "fixed-speed" server's own pace moved between repeats by more than any interval's width.
-    cores = sorted(os.sched_getaffinity(0))
-    server_cpus, client_cpus = (set(cores[:-1]), str(cores[-1])) if len(cores) > 1 else (None, None)
+    server_cpus, client_cpus = server_and_client_cpus()
     with StreamingServer(ttft_s=0.03, itl_s=0.01, cpus=server_cpus) as server:
         for seconds in (1.0, 4.0):
             spec = SPEC.model_copy(update=dict(output_len=16, level_duration_s=seconds, requests_per_level=None,

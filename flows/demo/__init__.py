@@ -31,6 +31,7 @@ def demo_config(endpoint: str, models_root: Path, **overrides):
     """The demo's DeployConfig; an override named like a VllmSettings or BenchSpec field goes there."""
     from tasks.answers.spec import AnswerSpec
     from tasks.bench.spec import BenchSpec
+    from tasks.cpus import server_and_client_cpus
     from tasks.deployment.config import DeployConfig
     from tasks.vllm.settings import VllmSettings
 
@@ -38,8 +39,7 @@ def demo_config(endpoint: str, models_root: Path, **overrides):
     # vLLM on every core but one, the benchmark client on that one: sharing cores, vLLM's API process
     # fell behind and sent each request's tokens as one chunk, and the client's timestamps waited
     # for the scheduler (README, "The demo's numbers").
-    cpus = sorted(os.sched_getaffinity(0))
-    server_cpus, client_cpus = (",".join(map(str, cpus[:-1])), str(cpus[-1])) if len(cpus) > 1 else (None, None)
+    server_cpus, client_cpus = server_and_client_cpus()
     vllm = dict(tensor_parallel_size=1, enable_expert_parallel=True, max_model_len=1024, enforce_eager=True,
                 cpus=server_cpus)
     vllm |= {k: overrides.pop(k) for k in list(overrides) if k in VllmSettings.model_fields}

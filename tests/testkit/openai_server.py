@@ -28,6 +28,8 @@ import time
 
 import uvicorn
 
+from tasks.cpus import parse_cpus
+
 
 def _event(payload: dict) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
@@ -36,7 +38,7 @@ def _event(payload: dict) -> bytes:
 class StreamingServer:
     def __init__(self, ttft_s: float = 0.0, itl_s: float = 0.0, tokens_per_chunk: int = 1,
                  slots: int | None = None, events_per_write: int = 1, port: int = 0, rejects: str | None = None,
-                 resets: bool = True, cpus: set[int] | None = None):
+                 resets: bool = True, cpus: str | None = None):
         self.ttft_s, self.itl_s, self.tokens_per_chunk = ttft_s, itl_s, tokens_per_chunk
         self.cpus = cpus  # the server's cores, apart from the client's as the demo keeps vLLM's
         self.rejects, self.resets = rejects, resets
@@ -194,7 +196,7 @@ class StreamingServer:
             args += ["--no-resets"]
         self._child = subprocess.Popen(args, stdout=subprocess.DEVNULL)
         if self.cpus:
-            os.sched_setaffinity(self._child.pid, self.cpus)
+            os.sched_setaffinity(self._child.pid, parse_cpus(self.cpus))
         deadline = time.monotonic() + 30
         while True:
             try:
