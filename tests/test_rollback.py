@@ -33,8 +33,13 @@ def test_nightly_regression_rolls_back_to_the_serving_deployment(local_hub, tmp_
 
         # Planted: the good deployment was from an older commit and benchmarked 1000x faster, so the
         # nightly sees a new commit, stops the old server, deploys, and measures a regression.
-        planted = good.record.model_copy(update={"commit": "0" * 40, "peak_tok_s": good.record.peak_tok_s * 1000,
-                                                 "single_stream_tok_s": good.record.single_stream_tok_s * 1000})
+        # Its intervals are scaled with it: left as measured they overlap the new run's, and the gate
+        # rightly calls the drop noise.
+        was = good.record
+        planted = was.model_copy(update={
+            "commit": "0" * 40, "peak_tok_s": was.peak_tok_s * 1000, "single_stream_tok_s": was.single_stream_tok_s * 1000,
+            "peak_ci": was.peak_ci and (was.peak_ci[0] * 1000, was.peak_ci[1] * 1000),
+            "single_stream_ci": was.single_stream_ci and (was.single_stream_ci[0] * 1000, was.single_stream_ci[1] * 1000)})
         write_last_good(config.run_dir, good.model_copy(update={"commit": "0" * 40, "record": planted}))
         with pytest.raises(RegressionError, match=r"regressed against 000000000000 .* outside the noise"):
             nightly_refresh(config)
