@@ -111,7 +111,7 @@ def demo(
     else:
         typer.echo(f"\nFirst demo run in {work_dir}: the next one will compare itself with this one.")
     typer.echo(
-        "\nThe runs, their artifacts (bench-demo-tiny-moe, validation-*) and logs are in Prefect's database."
+        "\nThe runs, their artifacts (deploy-demo-tiny-moe: the run's summary) and logs are in Prefect's database."
         "\nOpen them in the UI:  prefect server start   then browse http://127.0.0.1:4200/runs"
     )
 
@@ -289,7 +289,7 @@ def history(
     import pandas as pd
 
     from tasks.artifacts import read_history
-    from tasks.history.runs import comparison
+    from tasks.history.runs import comparison, readable
 
     if not 0 <= threshold < 1:
         typer.echo(f"error: bad option --threshold {threshold}: a fraction in [0, 1)", err=True)
@@ -301,16 +301,29 @@ def history(
     if table.empty:
         typer.echo(f"no benchmarked deployments{f' of {model}' if model else ''} in Prefect's history")
         raise typer.Exit(0)
-    columns = ["time", "model", "revision", "single_stream_tok_s", "peak_tok_s", "knee_concurrency", "p99_ttft_ms",
-               "accuracy", "perplexity", "status", "change"] + (["vllm_version", "gpu"] if wide else [])
-    shown = table.round({"single_stream_tok_s": 1, "peak_tok_s": 1, "p99_ttft_ms": 1, "perplexity": 2}).assign(
-        accuracy=table["accuracy"].map(lambda a: f"{a:.0%}" if pd.notna(a) else "-"))
     with pd.option_context("display.width", 250, "display.max_columns", None):
-        typer.echo(shown[columns].to_string(index=False, na_rep="-"))
+        typer.echo(readable(table, wide).to_string(index=False, na_rep="-"))
     newest = table.groupby("model").tail(1)
     for row in newest[newest["regression"] != ""].itertuples():
         typer.echo(f"regression: {row.model} at {row.revision}: {row.regression}")
     raise typer.Exit(1 if (newest["regression"] != "").any() else 0)
+
+
+@app.command()
+def notify(
+    block: Annotated[str, typer.Option(help="The Prefect notification block to send through, as "
+                                            "<block-type>/<block-name>, e.g. slack-webhook/ops")],
+) -> None:
+    """Install the automations of deployments/automations.yaml on the Prefect server: a message
+    when a deploy rolls back or the nightly fails."""
+    from tasks.notify import install_automations
+
+    try:
+        names = install_automations(block)
+    except UnusableInput as exc:
+        _fail(exc)
+    for name in names:
+        typer.echo(f"automation {name!r}: notifies through {block}")
 
 
 if __name__ == "__main__":

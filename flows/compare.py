@@ -26,7 +26,7 @@ def compare_runs(config: CompareConfig) -> list[dict]:
     logger = get_run_logger()
     records = [r for m in config.models for r in read_history(m)] if config.models else read_history()
     table = comparison(records, config.threshold)
-    rows = publish_comparison(table, config.threshold)
+    rows = publish_comparison(table, records, config.threshold)
     newest = table.groupby("model").tail(1)
     regressed = newest[newest["regression"] != ""]
     logger.info("%d runs of %d model(s), %d newest run(s) regressed", len(rows), table["model"].nunique(),

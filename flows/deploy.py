@@ -17,7 +17,7 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from tasks.answers.check import AnswerBaseline
-from tasks.artifacts import FetchProgress, model_slug, publish_fetch, publish_rollback
+from tasks.artifacts import DeploySummary, FetchProgress, command_block, model_slug, publish_fetch, publish_rollback
 from tasks.bench.results import LevelResult
 from tasks.bench.sweep import sweep
 from tasks.deployment.config import DeployConfig
@@ -41,6 +41,8 @@ from tasks.history.last_good import LastGood, read_last_good, serving_deployment
 from tasks.history.runs import RunRecord, check_regression, run_record
 from tasks.host_lock import host_lock
 from tasks.hub import RepoSnapshot, missing_bytes, record_revision, snapshot_dir
+from tasks.notify import emit_rolled_back
+from tasks.run_labels import label_run
 from tasks.steps import (
     answer_check,
     bench_level,
@@ -77,8 +79,10 @@ def _prepare(config: DeployConfig) -> PreparedModel:
     prepare-model subflow: a task fed a subflow's result records a `flow_run` input, and Prefect's UI
     then lists none of the run's task runs (PrefectHQ/prefect#18680)."""
     logger = get_run_logger()
+    label_run(config.repo_id, config.revision)  # findable even when the hub does not answer
     with hub_token(config.hf_token_secret):
         snapshot = resolve_revision(config.repo_id, config.revision, config.hub_endpoint)
+        label_run(config.repo_id, config.revision, snapshot.commit)
         logger.info("%s@%s is commit %s: %d files, %.2f GB", config.repo_id, config.revision, snapshot.commit,
                     len(snapshot.files), snapshot.total_bytes / GB)
         validate_remote(snapshot, config.hub_endpoint)
@@ -142,38 +146,55 @@ def _reap_server(flow, flow_run, state) -> None:
 @flow(name="deploy-model", on_cancellation=[_reap_server], on_crashed=[_reap_server])
 def deploy_model(config: DeployConfig) -> DeployResult:
     """Fetch and check the model while the current one still serves, then swap servers; a failure
-    after the swap brings the last good deployment back."""
+    after the swap brings the last good deployment back. However it ends, the run's summary says how."""
+    summary = DeploySummary(config.repo_id, config.revision)
+    try:
+        result = _deploy(config, summary)
+    except BaseException as err:
+        summary.publish(err)
+        if summary.rollback is not None:
+            emit_rolled_back(config.repo_id, summary.verdict(err))  # the automation tells a person
+        raise
+    summary.publish()
+    return result
+
+
+def _deploy(config: DeployConfig, summary: DeploySummary) -> DeployResult:
     logger = get_run_logger()
     with host_lock():  # first: reaping a "stale" server is only safe when no other deploy runs
         previous = serving_deployment(config.run_dir)  # keeps serving while the new model comes in
         if previous is None and (stale := reap_stale(config.run_dir / "server.json")) is not None:
             logger.warning("stopped vLLM process group %d left by an earlier run", stale)
+        summary.serving_before = f"{previous.repo_id}@{previous.commit[:12]}" if previous else None
         with warming_option_table(config.run_dir):  # a bad flag is then refused in ms, not after a load
             prepared = _prepare(config)
+            summary.commit = prepared.commit
             gpu = probe_gpus()
             for warning in check_gpus(gpu, hardware_plan(config, prepared), config.repo_id):
                 logger.warning("%s: %s", warning.rule, warning.message)
         server = server_config(config, prepared, gpu.platform)
+        summary.last_good = comparable(previous or read_last_good(config.run_dir), config.repo_id)
         if previous is not None:  # from here a failure restores it
-            stop_serving(config.run_dir, f"{previous.repo_id}@{previous.commit[:12]}")
+            stop_serving(config.run_dir, summary.serving_before)
+            summary.previous_stopped = True
         try:
-            handle, record, rows, stop = _serve_and_bench(config, prepared, gpu, server,
-                                                    comparable(previous or read_last_good(config.run_dir),
-                                                               config.repo_id))
+            handle, record, rows, stop = _serve_and_bench(config, prepared, gpu, server, summary)
         except Exception as err:
             if previous is not None:
-                _restore(previous, config.run_dir, config.startup_timeout_s, err, config.repo_id)
+                _restore(previous, config.run_dir, config.startup_timeout_s, err, config.repo_id, summary)
             raise
         write_last_good(config.run_dir, deployment_record(config, prepared, handle, server, record))
+        summary.base_url = handle.base_url if config.keep_serving else None
     return DeployResult(prepared=prepared, platform=gpu.platform, results=rows, sweep_end=stop, record=record,
-                        base_url=handle.base_url if config.keep_serving else None)
+                        base_url=summary.base_url)
 
 
 def _serve_and_bench(config: DeployConfig, prepared: PreparedModel, gpu: GpuProbe, server: ServerConfig,
-                     last_run: RunRecord | None) -> tuple[ServerHandle, RunRecord, list[LevelResult], str | None]:
+                     summary: DeploySummary) -> tuple[ServerHandle, RunRecord, list[LevelResult], str | None]:
     """Start (readiness includes a real token), check its answers, sweep, publish, compare; wrong
     answers or a regression raise, with the run in the history either way."""
     logger = get_run_logger()
+    last_run = summary.last_good
     handle, facts = start_vllm(server, config.run_dir, config.startup_timeout_s, config.api_key_secret,
                                config.repo_id)
 
@@ -184,6 +205,7 @@ def _serve_and_bench(config: DeployConfig, prepared: PreparedModel, gpu: GpuProb
 
     try:
         logger.info("vLLM ready at %s after %.0f s", handle.base_url, handle.startup_s)
+        summary.facts = bench_facts(config, prepared, gpu, facts)
         answers = None
         if config.answers.enabled:
             report = answer_check(handle.base_url, server.served_model_name, config.answers, prepared.model_dir,
@@ -193,20 +215,23 @@ def _serve_and_bench(config: DeployConfig, prepared: PreparedModel, gpu: GpuProb
             answers = report.baseline
             if not report.passed:
                 why = "; ".join(report.problems)
-                publish_record(record_of([], answers).model_copy(update={"status": "failed", "note": why}))
+                summary.record = publish_record(record_of([], answers).model_copy(update={"status": "failed",
+                                                                                          "note": why}))
                 raise AnswerCheckFailed(f"{config.repo_id}@{prepared.commit[:12]}: {why}")
             logger.info("answer check passed: %.0f%% of %d probes right", 100 * report.accuracy, len(report.results))
-        results_dir = (config.run_dir / "bench" / model_slug(config.repo_id)
-                       / datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ"))
+        summary.results_dir = (config.run_dir / "bench" / model_slug(config.repo_id)
+                               / datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ"))
         vocab, stops, gpus = vocab_size(prepared.model_dir), [], gpus_used(gpu, config.vllm)
         rows = sweep(config.bench, lambda c: bench_level(handle.base_url, server.served_model_name, config.bench, c,
-                                                         vocab, prepared.model_dir, handle.api_key, results_dir, gpus),
+                                                         vocab, prepared.model_dir, handle.api_key,
+                                                         summary.results_dir, gpus),
                      stops.append)
         for reason in stops:
             logger.info("%s; the sweep stops", reason)
-        publish_results(rows, config.repo_id, bench_facts(config, prepared, gpu, facts), results_dir,
-                        stops[0] if stops else None, gpus)
-        record = publish_record(check_regression(last_run, record_of(rows, answers), config.max_regression))
+        summary.results, summary.stop = rows, stops[0] if stops else None
+        publish_results(rows, config.repo_id, summary.facts, summary.results_dir, summary.stop, gpus)
+        record = summary.record = publish_record(check_regression(last_run, record_of(rows, answers),
+                                                                  config.max_regression))
         if record.status == "regressed":
             raise RegressionError(f"{config.repo_id}@{prepared.commit[:12]} {record.note}")
     except BaseException:
@@ -214,10 +239,11 @@ def _serve_and_bench(config: DeployConfig, prepared: PreparedModel, gpu: GpuProb
         raise
     if not config.keep_serving:
         stop_vllm(handle)
-    return handle, record, rows, stops[0] if stops else None
+    return handle, record, rows, summary.stop
 
 
-def _restore(previous: LastGood, run_dir: Path, startup_timeout_s: float, reason: BaseException, repo_id: str) -> None:
+def _restore(previous: LastGood, run_dir: Path, startup_timeout_s: float, reason: BaseException, repo_id: str,
+             summary: DeploySummary) -> None:
     """Start the last good deployment again and say why in an artifact; the new deploy's error stands."""
     logger = get_run_logger()
     what = f"{previous.repo_id}@{previous.commit[:12]}"
@@ -229,9 +255,11 @@ def _restore(previous: LastGood, run_dir: Path, startup_timeout_s: float, reason
         publish_rollback(repo_id, what, reason,
                          f"**Rollback failed:** `{first_line(err)}`. Nothing serves on this host now.")
         logger.error("rollback to %s failed: %s", what, first_line(err))
+        summary.rollback, summary.rollback_failed = first_line(err), True
         return
     write_last_good(run_dir, previous.model_copy(update={"serving_pgid": handle.pgid}))
     publish_rollback(repo_id, what, reason, (
         f"**Serving again:** `{previous.server.served_model_name}` ({what}) at {handle.base_url}, "
-        f"ready in {handle.startup_s:.0f} s.\n\n```\n{' '.join(handle.command)}\n```\n"))
+        f"ready in {handle.startup_s:.0f} s.\n\n{command_block(handle.command)}\n"))
+    summary.rollback = f"{what} at {handle.base_url}"
     logger.warning("rolled back: %s serves again at %s", what, handle.base_url)

@@ -9,15 +9,11 @@ commit, deploy_model runs pinned to that commit, so what was checked is what get
 from prefect import flow, get_run_logger
 
 from flows.deploy import deploy_model
-from tasks.artifacts import (
-    publish_nightly_deployed,
-    publish_nightly_failed,
-    publish_nightly_no_change,
-    publish_nightly_unreachable,
-)
+from tasks.artifacts import publish_nightly
 from tasks.deployment.config import DeployConfig
-from tasks.errors import HubUnreachable
+from tasks.errors import HubUnreachable, first_line
 from tasks.history.last_good import read_last_good, serving_deployment
+from tasks.run_labels import child_run_id, label_run
 from tasks.steps import hub_token, resolve_revision
 
 
@@ -25,26 +21,36 @@ from tasks.steps import hub_token, resolve_revision
 def nightly_refresh(config: DeployConfig) -> str:
     """Returns "no-change" or "deployed"; a failed deploy (a regression included) fails the run."""
     logger = get_run_logger()
+    repo, revision = config.repo_id, config.revision
+    label_run(repo, revision, prefix="nightly ")  # findable even when the hub does not answer
     try:
         with hub_token(config.hf_token_secret):
-            snapshot = resolve_revision(config.repo_id, config.revision, config.hub_endpoint)
+            snapshot = resolve_revision(repo, revision, config.hub_endpoint)
     except HubUnreachable as err:
-        publish_nightly_unreachable(config.repo_id, config.revision, err)
+        publish_nightly(repo, revision, "Hub unreachable: nothing changed on this host",
+                        f"**Hub unreachable:** {err}\n\nNothing was downloaded or restarted; what served keeps "
+                        "serving.")
         raise
+    commit = snapshot.commit
+    label_run(repo, revision, commit, prefix="nightly ")
     last = read_last_good(config.run_dir)
-    if last is not None and last.repo_id == config.repo_id and last.commit == snapshot.commit:
-        publish_nightly_no_change(config.repo_id, config.revision, snapshot.commit, last.model_dir)
-        logger.info("%s@%s is still %s: nothing to do", config.repo_id, config.revision, snapshot.commit[:12])
+    if last is not None and last.repo_id == repo and last.commit == commit:
+        publish_nightly(repo, revision, f"No change: {revision} is still {commit[:12]}, the last good deployment",
+                        f"**No change:** `{revision}` is still commit `{commit}`, the last good deployment on "
+                        f"this host (`{last.model_dir}`). Nothing downloaded, nothing restarted.")
+        logger.info("%s@%s is still %s: nothing to do", repo, revision, commit[:12])
         return "no-change"
     was = f"`{last.repo_id}@{last.commit}`" if last else "nothing recorded"
-    logger.info("%s@%s is now %s (last good: %s): deploying", config.repo_id, config.revision,
-                snapshot.commit[:12], was)
+    logger.info("%s@%s is now %s (last good: %s): deploying", repo, revision, commit[:12], was)
     try:
-        deploy_model(config.model_copy(update={"revision": snapshot.commit}))
+        deploy_model(config.model_copy(update={"revision": commit}))
     except Exception as err:
         serving = serving_deployment(config.run_dir)
-        publish_nightly_failed(config.repo_id, config.revision, snapshot.commit, err,
-                               f"{serving.repo_id}@{serving.commit}" if serving else None)
+        publish_nightly(repo, revision, f"Failed: {repo}@{commit[:12]} did not deploy: {first_line(err)}",
+                        f"**Failed:** commit `{commit}` did not deploy: `{first_line(err)}`.\n\n"
+                        + (f"**Serving:** the last good deployment, `{serving.repo_id}@{serving.commit}`." if serving
+                           else "**Serving:** nothing on this host."), child_run_id())
         raise
-    publish_nightly_deployed(config.repo_id, config.revision, snapshot.commit, was)
+    publish_nightly(repo, revision, f"Deployed: {repo}@{commit[:12]} serves",
+                    f"**Deployed:** commit `{commit}` (last good before: {was}).", child_run_id())
     return "deployed"

@@ -7,11 +7,15 @@ Prefect keeps every version of a key, so a model's runs line up under the same k
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import re
+import shlex
+import socket
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
@@ -23,12 +27,15 @@ from prefect.artifacts import (
 )
 
 from tasks.answers.check import AnswerReport
+from tasks.bench.report import finding_lines, headline_table
+from tasks.bench.results import LevelResult
 from tasks.checkpoint.rules import ValidationReport
 from tasks.disk import GB, DiskPlan, EvictionResult, plan_summary
-from tasks.errors import ServerStartError, first_line
+from tasks.errors import ServerStartError, failed_stage, first_line
 from tasks.findings import Violation
 from tasks.gpu import GpuProbe, HardwarePlan
-from tasks.history.runs import RunRecord
+from tasks.history.chart import history_chart
+from tasks.history.runs import RunRecord, readable
 from tasks.hub import FetchResult
 
 HISTORY = "history-"
@@ -38,6 +45,29 @@ PAGE = 200  # the API's default page limit
 def model_slug(repo_id: str) -> str:
     """Artifact keys allow lowercase letters, digits and dashes only."""
     return re.sub(r"-+", "-", re.sub(r"[^a-z0-9]+", "-", repo_id.lower())).strip("-")
+
+
+def ui_link(path: str) -> str:
+    """A page of the Prefect UI the run reports to (PREFECT_UI_URL); relative where none is known."""
+    from prefect.settings import PREFECT_UI_URL
+
+    base = PREFECT_UI_URL.value()
+    return f"{base.rstrip('/')}/{path}" if base else f"/{path}"
+
+
+def run_link(flow_run_id: str | None, text: str) -> str:
+    return f"[{text}]({ui_link(f'runs/flow-run/{flow_run_id}')})" if flow_run_id else text
+
+
+def _markdown_table(df: pd.DataFrame) -> str:
+    """A table for a markdown artifact: a missing value is a dash, not `nan`."""
+    return df.astype(object).where(df.notna(), None).to_markdown(index=False, missingval="-")
+
+
+def png_data_uri(png: bytes) -> str:
+    """An image the Prefect UI shows: its markdown renderer loads `data:` images (checked in Chromium),
+    while a file:// link is refused and inline SVG renders black."""
+    return "data:image/png;base64," + base64.b64encode(png).decode()
 
 
 def json_value(value):
@@ -166,10 +196,31 @@ def publish_server_failure(err: ServerStartError, repo_id: str, suffix: str = ""
     )
 
 
+# How the server artifact names vLLM's start-up facts; vLLM's "maximum concurrency" is its KV cache's
+# capacity in full-length requests, not the benchmark's concurrency.
+SERVER_FACTS = {"vllm_version": "vLLM version", "startup_s": "ready after (s)", "kv_cache_tokens": "KV cache (tokens)",
+                "kv_cache_requests": "KV cache capacity (requests of max_model_len tokens, vLLM's \"maximum "
+                                     "concurrency\")",
+                "weights_load_s": "weights loaded in (s)", "model_load_s": "model loaded in (s)",
+                "engine_init_s": "engine initialised in (s)", "graph_capture_s": "CUDA graphs captured in (s)"}
+
+
+def command_block(command: list[str]) -> str:
+    """The command as a shell would take it, one option per line, so the UI shows it unclipped."""
+    lines, current = [], []
+    for arg in command:
+        if arg.startswith("-") and current:
+            lines.append(" ".join(current))
+            current = []
+        current.append(shlex.quote(arg))
+    lines.append(" ".join(current))
+    return "```bash\n" + " \\\n  ".join(lines) + "\n```"
+
+
 def publish_server(facts: dict[str, str], command: list[str], repo_id: str) -> None:
     """The serving facts a run is compared by later: version, command, KV cache, start-up phases."""
-    lines = ["# vLLM server", ""] + [f"- **{k}:** {v}" for k, v in facts.items()]
-    lines += ["", "```", " ".join(command), "```"]
+    lines = ["# vLLM server", ""] + [f"- **{SERVER_FACTS.get(k, k)}:** {v}" for k, v in facts.items()]
+    lines += ["", command_block(command)]
     create_markdown_artifact(key=f"server-{model_slug(repo_id)}", markdown="\n".join(lines),
                              description=f"vLLM {facts['vllm_version']} ready in {float(facts['startup_s']):.0f} s")
 
@@ -203,15 +254,13 @@ def publish_answers(report: AnswerReport, repo_id: str) -> None:
                              markdown="\n".join([f"# Answer check: {verdict}", "", *figures, "", *rows]))
 
 
-def publish_bench(df: pd.DataFrame, markdown: str, repo_id: str) -> None:
-    slug = model_slug(repo_id)
-    create_table_artifact(
-        key=f"bench-{slug}",
-        table=[{k: json_value(v) for k, v in row.items()} for row in df.to_dict(orient="records")],
-        description=f"Concurrency sweep of {repo_id}",
-    )
-    create_markdown_artifact(key=f"bench-summary-{slug}", markdown=markdown,
-                             description=f"Benchmark summary of {repo_id}")
+def publish_bench(results: list[LevelResult], repo_id: str, results_dir: Path) -> None:
+    """The headline table (`bench-<model>`): what a reader decides by, rounded, units in the headers.
+    Every figure in vLLM's names stays in the run's results.csv and per-level JSON."""
+    table = headline_table(results)
+    create_table_artifact(key=f"bench-{model_slug(repo_id)}", table=[
+        {k: json_value(v) for k, v in row.items()} for row in table.to_dict(orient="records")],
+        description=f"Concurrency sweep of {repo_id}; ± is the 95% interval. Every figure: {results_dir}/results.csv")
 
 
 def publish_history_record(record: RunRecord) -> None:
@@ -251,43 +300,156 @@ def read_history(model: str | None = None) -> list[RunRecord]:
             offset += PAGE
 
 
-def publish_comparison(table: pd.DataFrame, threshold: float) -> list[dict]:
-    """The history table (`run-comparison`) and its summary with the regressed models named."""
+def publish_comparison(table: pd.DataFrame, records: list[RunRecord], threshold: float) -> list[dict]:
+    """The history table (`run-comparison`) and its summary: the verdict first, the history chart,
+    then every run rounded with units and linked to its flow run."""
     rows = [{k: json_value(v) for k, v in row.items()} for row in table.to_dict(orient="records")]
     models = table["model"].nunique()
     create_table_artifact(key="run-comparison", table=rows, description=f"{len(rows)} runs of {models} model(s)")
     newest = table.groupby("model").tail(1)
     regressed = newest[newest["regression"] != ""]
-    lines = ["# Run comparison", "", f"{len(rows)} runs of {models} model(s); regression "
-             f"threshold {threshold:.0%} against each model's previous good run.", ""]
+    verdict = (f"{len(regressed)} of {models} model(s) regressed in their newest run" if len(regressed)
+               else f"no regression in the newest run of {models} model(s)")
+    lines = [f"# Run comparison: {verdict}", "", f"{len(rows)} runs; regression threshold {threshold:.0%} against "
+             "each model's previous good run on the same GPUs, outside the noise.", ""]
     lines += [f"- **Regressed:** {r.model} at {r.revision}: {r.regression}" for r in regressed.itertuples()]
-    lines += ["", table.drop(columns=["regression"]).to_markdown(index=False)]
-    create_markdown_artifact(key="run-comparison-summary", markdown="\n".join(lines))
+    if (chart := history_chart(records)) is not None:
+        lines += ["", f"![Throughput and p99 TTFT per revision over time]({png_data_uri(chart)})"]
+    shown = readable(table)
+    shown["revision"] = [run_link(run_id, rev) for run_id, rev in zip(table["flow_run_id"], table["revision"])]
+    lines += ["", _markdown_table(shown)]
+    create_markdown_artifact(key="run-comparison-summary", markdown="\n".join(lines), description=verdict)
     return rows
 
 
+# The deploy run's summary
+def _artifact_links(flow_run_id: str, skip: str) -> list[str]:
+    """Every other artifact of the run, newest version of each key, as links to their UI pages."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(
+            any_=[flow_run_id])), sort=ArtifactSort.CREATED_DESC, limit=PAGE)
+    links: dict[str, str] = {}
+    for a in found:
+        if a.key and a.key != skip and a.key not in links:
+            links[a.key] = f"- [{a.key}]({ui_link(f'artifacts/artifact/{a.id}')}): {a.description or a.type}"
+    return sorted(links.values())
+
+
+def _change(now: float | None, before: float | None) -> str:
+    return f"{now / before - 1:+.1%}" if now is not None and before else "-"
+
+
+def _figures(record: RunRecord, last: RunRecord | None, knee_flags: str) -> list[str]:
+    """The key figures beside the last good run's, with the change; ± is the 95% interval's half-width.
+    A knee at a flagged level says so: its figure is not the server's alone."""
+    def tok_s(value: float | None, ci: tuple[float, float] | None) -> str:
+        return "-" if value is None else f"{value:,.1f}" + (f" ±{(ci[1] - ci[0]) / 2:,.1f}" if ci else "")
+
+    def answers(r: RunRecord | None, what: str) -> float | None:
+        return getattr(r.answers, what) if r and r.answers else None
+
+    def pct(value: float | None) -> str:
+        return "-" if value is None else f"{value:.0%}"
+
+    def sig(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3g}"
+
+    rows = [("single stream, output tok/s", tok_s(record.single_stream_tok_s, record.single_stream_ci),
+             tok_s(last.single_stream_tok_s, last.single_stream_ci) if last else "-",
+             _change(record.single_stream_tok_s, last.single_stream_tok_s if last else None)),
+            ("peak (knee), output tok/s", tok_s(record.peak_tok_s, record.peak_ci)
+             + (f" at c={record.knee_concurrency}" if record.knee_concurrency else "")
+             + (f" ({knee_flags})" if knee_flags else ""),
+             (tok_s(last.peak_tok_s, last.peak_ci)
+              + (f" at c={last.knee_concurrency}" if last.knee_concurrency else ""))
+             if last else "-", _change(record.peak_tok_s, last.peak_tok_s if last else None)),
+            ("p99 TTFT at the knee, ms", tok_s(record.p99_ttft_ms, record.p99_ttft_ci),
+             tok_s(last.p99_ttft_ms, last.p99_ttft_ci) if last else "-",
+             _change(record.p99_ttft_ms, last.p99_ttft_ms if last else None)),
+            ("answer accuracy", pct(answers(record, "accuracy")), pct(answers(last, "accuracy")),
+             _change(answers(record, "accuracy"), answers(last, "accuracy"))),
+            ("perplexity of the reference text", sig(answers(record, "perplexity")), sig(answers(last, "perplexity")),
+             _change(answers(record, "perplexity"), answers(last, "perplexity")))]
+    head = run_link(last.flow_run_id, f"last good ({last.commit[:12]})") if last else "last good (none)"
+    return [f"| figure | this run | {head} | change |", "|---|---|---|---|",
+            *[f"| {' | '.join(row)} |" for row in rows]]
+
+
+@dataclass
+class DeploySummary:
+    """What a deploy run has learned so far, published as `deploy-<model>` on the run itself however
+    the run ends: the verdict in its first line, then the figures, the chart and links to the rest."""
+
+    repo_id: str
+    revision: str
+    commit: str | None = None
+    serving_before: str | None = None  # "repo@commit" of what served when the run began
+    previous_stopped: bool = False
+    last_good: RunRecord | None = None  # the run this one is compared with
+    record: RunRecord | None = None
+    results: list[LevelResult] = field(default_factory=list)
+    stop: str | None = None
+    facts: dict[str, str] = field(default_factory=dict)
+    results_dir: Path | None = None  # the sweep's files: chart.png, results.csv, one JSON per level
+    base_url: str | None = None
+    rollback: str | None = None  # what the rollback brought back, or why it could not
+    rollback_failed: bool = False
+
+    @property
+    def what(self) -> str:
+        return f"{self.repo_id}@{(self.commit or self.revision)[:12]}"
+
+    def verdict(self, err: BaseException | None) -> str:
+        """Serving, rolled back, or failed at which stage, and why: the summary's first line."""
+        if err is None:
+            return (f"Serving: {self.what} passed its checks and serves at {self.base_url}" if self.base_url else
+                    f"Passed: {self.what} passed its checks, then stopped (keep_serving is off)")
+        why = f"failed at {failed_stage(err)}: {first_line(err)}"
+        if self.rollback_failed:
+            return f"Failed, and the rollback failed: {self.what} {why}. Nothing serves on this host"
+        if self.rollback is not None:
+            return f"Rolled back: {self.what} {why}. {self.rollback} serves again"
+        if self.serving_before and not self.previous_stopped:
+            return f"Failed: {self.what} {why}. {self.serving_before} keeps serving"
+        return f"Failed: {self.what} {why}. Nothing serves on this host"
+
+    def publish(self, err: BaseException | None = None) -> None:
+        from prefect.runtime import flow_run
+
+        verdict = self.verdict(err).replace("\n", " ")
+        lines = [f"# {verdict}", "", f"- **Host:** {socket.gethostname()}"]
+        lines += [f"- **{k}:** {v}" for k, v in self.facts.items()]
+        if self.record is not None:
+            knee = next((r for r in self.results if r.concurrency == self.record.knee_concurrency), None)
+            lines += ["", *_figures(self.record, self.last_good, knee.flags if knee else ""), ""]
+            if self.record.compared:
+                lines.append(f"- **Regression gate:** {self.record.compared}")
+        if self.results:
+            lines += finding_lines(self.results, self.stop)
+        chart = self.results_dir / "chart.png" if self.results_dir else None
+        if chart is not None and chart.exists():
+            lines += ["", f"![Throughput and latency against concurrency]({png_data_uri(chart.read_bytes())})"]
+        if self.results:
+            lines += ["", _markdown_table(headline_table(self.results)), "",
+                      f"± is the 95% interval. Every figure of every level, in vLLM's names: `{self.results_dir}` "
+                      "(results.csv, level-*.json) on the host."]
+        key = f"deploy-{model_slug(self.repo_id)}"
+        run_id = flow_run.get_id()
+        if run_id:
+            lines += ["", "## This run's artifacts", "", *_artifact_links(str(run_id), key)]
+        if self.last_good is not None and self.last_good.flow_run_id:
+            lines += ["", f"Previous good run: {run_link(self.last_good.flow_run_id, self.last_good.commit[:12])}"]
+        create_markdown_artifact(key=key, markdown="\n".join(lines), description=verdict[:250])
+
+
 # The nightly
-def _publish_nightly(repo_id: str, revision: str, body: str) -> None:
-    create_markdown_artifact(key=f"nightly-{model_slug(repo_id)}",
-                             markdown=f"# Nightly refresh of {repo_id}@{revision}\n\n{body}")
-
-
-def publish_nightly_unreachable(repo_id: str, revision: str, err: BaseException) -> None:
-    _publish_nightly(repo_id, revision, f"**Hub unreachable:** {err}\n\nNothing was downloaded or restarted; "
-                                        "what served keeps serving.")
-
-
-def publish_nightly_no_change(repo_id: str, revision: str, commit: str, model_dir: Path) -> None:
-    _publish_nightly(repo_id, revision, f"**No change:** `{revision}` is still commit `{commit}`, the last good "
-                                        f"deployment on this host (`{model_dir}`). Nothing downloaded, nothing "
-                                        "restarted.")
-
-
-def publish_nightly_deployed(repo_id: str, revision: str, commit: str, was: str) -> None:
-    _publish_nightly(repo_id, revision, f"**Deployed:** commit `{commit}` (last good before: {was}).")
-
-
-def publish_nightly_failed(repo_id: str, revision: str, commit: str, err: BaseException, serving: str | None) -> None:
-    _publish_nightly(repo_id, revision, f"**Failed:** commit `{commit}` did not deploy: `{first_line(err)}`.\n\n"
-                     + (f"**Serving:** the last good deployment, `{serving}`." if serving
-                        else "**Serving:** nothing on this host."))
+def publish_nightly(repo_id: str, revision: str, verdict: str, body: str, deploy_run_id: str | None = None) -> None:
+    """`nightly-<model>`: the verdict in its first line; the deploy it started linked, where it did."""
+    link = (f"\n\nThe deploy run: {run_link(deploy_run_id, deploy_run_id)}, its summary is its "
+            f"`deploy-{model_slug(repo_id)}` artifact." if deploy_run_id else "")
+    create_markdown_artifact(key=f"nightly-{model_slug(repo_id)}", description=verdict[:250],
+                             markdown=f"# {verdict}\n\nNightly refresh of `{repo_id}@{revision}`.\n\n{body}{link}")

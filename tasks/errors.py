@@ -11,6 +11,7 @@ class RolloutError(RuntimeError):
     """A failure the user can act on; `exit_code` is what the CLI exits with (1: a check failed)."""
 
     exit_code = 1
+    stage = "the deploy"  # the pipeline step it stops, as a run's summary names it ("failed at the answer check")
 
 
 class UnusableInput(RolloutError):
@@ -23,45 +24,65 @@ class UnusableInput(RolloutError):
 class HubError(UnusableInput):
     """A hub answer that retrying cannot change (missing repo, revision or file, no access)."""
 
+    stage = "the hub"
+
 
 class HubUnreachable(UnusableInput):
     """No HTTP answer at all: refused, unresolved name, TLS failure or timeout. Worth retrying in a
     flow (a hub outage passes), but named in one line: a typo in the endpoint looks just like this."""
 
+    stage = "the hub"
+
 
 class ChecksumError(RolloutError):
     """Downloaded bytes differ from what the hub published; the partial file was deleted."""
 
+    stage = "the fetch"
+
 
 class IncompleteDownload(RolloutError):
     """The stream ended short of the file's size; the bytes so far stay for the next try to resume."""
+
+    stage = "the fetch"
 
 
 # Disk
 class DiskSpaceError(RolloutError):
     """The model will not fit on the models filesystem, or deleting did not free what it should."""
 
+    stage = "the disk plan"
+
 
 # Checkpoint
 class CheckpointError(UnusableInput, ValueError):
     """The checkpoint cannot be read at all (missing dir, bad JSON, hostile or broken header)."""
 
+    stage = "the checkpoint validation"
+
 
 class ValidationFailed(RolloutError):
     """The checkpoint does not store what its quantization config says."""
+
+    stage = "the checkpoint validation"
 
 
 # GPUs and vLLM
 class GpuConfigError(RolloutError):
     """The deployment cannot run on this host's GPUs."""
 
+    stage = "the hardware check"
+
 
 class HostBusyError(RolloutError):
     """Another deploy holds this host's GPUs."""
 
+    stage = "the host lock"
+
 
 class ServerStartError(RolloutError):
     """vLLM did not become ready; `cause` is a stable id, `log_tail` the last lines it wrote."""
+
+    stage = "the vLLM start"
 
     def __init__(self, message: str, cause: str, log_tail: str):
         super().__init__(message)
@@ -73,17 +94,28 @@ class ServerStartError(RolloutError):
 class BenchConfigError(UnusableInput, ValueError):
     """The benchmark cannot build its prompts from what it was given."""
 
+    stage = "the benchmark"
+
 
 class AnswerCheckFailed(RolloutError):
     """The new server answers its probes wrong, degenerately, or worse than the last good deployment."""
+
+    stage = "the answer check"
 
 
 class RegressionError(RolloutError):
     """A run benchmarks worse than the last good run of the same model on the same GPUs, beyond the
     allowed threshold."""
 
+    stage = "the regression gate"
+
 
 def first_line(err: BaseException) -> str:
     """`Type: first line of the message`: what a log line, an artifact and the CLI show of an error."""
     text = str(err).splitlines()
     return f"{type(err).__name__}: {text[0] if text else ''}"
+
+
+def failed_stage(err: BaseException) -> str:
+    """The step a failure stopped, in words: the project's own errors say; anything else is unforeseen."""
+    return err.stage if isinstance(err, RolloutError) else "an unexpected error"

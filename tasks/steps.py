@@ -9,7 +9,6 @@ import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import pandas as pd
 from prefect import get_run_logger, task
 from prefect.blocks.system import Secret
 from prefect.cache_policies import NO_CACHE
@@ -193,10 +192,9 @@ def bench_level(base_url: str, model: str, spec: BenchSpec, concurrency: int, vo
 
 @task(name="publish-results", tags=["report"])
 def publish_results(results: list[LevelResult], repo_id: str, facts: dict[str, str], results_dir: Path,
-                    stop: str | None, gpus: int | None = None) -> pd.DataFrame:
-    df, markdown = save_results(results, results_dir, f"Benchmark of {repo_id}", facts, stop, gpus)
-    artifacts.publish_bench(df, markdown, repo_id)
-    return df
+                    stop: str | None, gpus: int | None = None) -> None:
+    save_results(results, results_dir, f"Benchmark of {repo_id}", facts, stop, gpus)
+    artifacts.publish_bench(results, repo_id, results_dir)
 
 
 @task(name="publish-history-record", tags=["report"], cache_policy=NO_CACHE)

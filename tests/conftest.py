@@ -7,6 +7,8 @@ import uuid
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
+# The test server serves no UI, but links to it (artifacts, notifications) are built from this URL.
+os.environ.setdefault("PREFECT_UI_URL", "http://127.0.0.1:4200")
 # Every vLLM this session starts inherits the mark, so process checks see only this session's own.
 os.environ["ROLLOUT_TEST_SESSION"] = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
@@ -16,6 +18,7 @@ import pytest  # noqa: E402
 
 from flows.demo import build_demo_repos  # noqa: E402
 from testkit.faulty_hub import FaultyHub  # noqa: E402
+from testkit.webhook import WebhookReceiver  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -37,6 +40,13 @@ def hub_root(tmp_path_factory) -> Path:
 def local_hub(hub_root):
     with FaultyHub(hub_root) as hub:
         yield hub
+
+
+@pytest.fixture
+def webhook():
+    """A local endpoint that records what Prefect's notifications post to it."""
+    with WebhookReceiver() as hook:
+        yield hook
 
 
 def vllm_processes() -> list[int]:

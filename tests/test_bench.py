@@ -235,6 +235,10 @@ def test_sweep_stops_when_a_level_adds_too_little_throughput_and_names_the_knee(
     assert knee(rows).concurrency == 4
     every = sweep(spec.model_copy(update=dict(min_throughput_gain=None)), lambda c: _level(c, throughput[c]))
     assert len(every) == 4  # sweeping every level was asked for
+    # Throughput that fell is said as such, not as "less than 5% more".
+    fell = [_level(1, 80.0), _level(2, 3599.0), _level(4, 1997.0)]
+    assert stop_reason(fell, 0.05) == ("saturated at concurrency 4: output throughput fell to 1,997 tok/s "
+                                       "from 3,599 at 2")
 
 
 def test_sweep_stops_when_the_slo_breaks_and_the_knee_stays_within_it():
@@ -258,10 +262,10 @@ def test_a_level_where_every_request_failed_is_reported_and_ends_the_sweep(tmp_p
     assert dead.completed == 0 and dead.output_throughput == 0 and "all-failed" in dead.flags
     assert dead.first_error == "HTTP500: engine dead"
     assert stop_reason([good, dead], 0.05) == "every request failed at concurrency 2: HTTP500: engine dead"
-    df, markdown = save_results([good, dead], tmp_path, "t", {}, stop_reason([good, dead], 0.05))
-    assert (tmp_path / "chart.png").read_bytes().startswith(b"\x89PNG")  # drawn from the level that has figures
-    assert "every request failed at concurrency 2" in markdown
-    save_results([dead], tmp_path / "none", "t", {}, None)  # nothing to draw: still no error
+    chart = save_results([good, dead], tmp_path, "t", {}, stop_reason([good, dead], 0.05))
+    assert chart.read_bytes().startswith(b"\x89PNG")  # drawn from the level that has figures
+    assert "every request failed at concurrency 2" in (tmp_path / "summary.md").read_text()
+    assert save_results([dead], tmp_path / "none", "t", {}, None) is None  # nothing to draw: still no error
 
 
 def test_geometric_levels_end_at_the_maximum():

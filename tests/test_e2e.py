@@ -71,27 +71,38 @@ def test_demo_deploys_benchmarks_and_publishes(tmp_path):
         # vLLM's CPU build turns prefix caching off for MLA models: no lookups, so no rate (not 0%).
         assert row.server_prefix_cache_hit_rate is None
 
-    table = artifact("bench-demo-tiny-moe")
+    table = artifact("bench-demo-tiny-moe")  # the headline table: rounded, units in the headers
     assert table.type == "table"
     stored = json.loads(table.data) if isinstance(table.data, str) else table.data
     assert [r["concurrency"] for r in stored] == levels
     for kept, measured in zip(stored, rows):
-        assert kept["output_throughput"] == pytest.approx(measured.output_throughput)
-        assert kept["total_output_tokens"] == measured.total_output_tokens
+        assert kept["output tok/s"].startswith(f"{measured.output_throughput:.1f} ±")
+    assert all(value is not None for r in stored for value in r.values())  # no always-empty column
 
-    summary = artifact("bench-summary-demo-tiny-moe")
-    assert f"Single stream:** {rows[0].output_throughput:.1f} ±" in summary.data
+    # The run's own summary: the verdict first, the figures, the chart in the page, links to the rest.
+    summary = artifact("deploy-demo-tiny-moe")
+    assert summary.flow_run_id == table.flow_run_id and summary.task_run_id is None
+    first, body = summary.data.split("\n", 1)
+    assert first.startswith("# Passed: demo/tiny-moe@") and "passed its checks" in first
+    assert f"| single stream, output tok/s | {rows[0].output_throughput:,.1f} ±" in body
+    assert "| last good (000000000000) |" in body and "-100.0%" in body  # against the planted run
+    assert "![Throughput and latency against concurrency](data:image/png;base64,iVBOR" in body
+    for key in ("bench-demo-tiny-moe", "server-demo-tiny-moe", "answers-demo-tiny-moe",
+                "validation-local-demo-tiny-moe"):
+        assert f"- [{key}](" in body, key
     runs = list((tmp_path / "models" / ".rollout" / "bench" / "demo-tiny-moe").iterdir())
-    assert len(runs) == 1 and f"({(runs[0] / 'chart.png').as_uri()})" in summary.data
+    assert len(runs) == 1 and f"`{runs[0]}`" in body
     assert (runs[0] / "chart.png").read_bytes().startswith(b"\x89PNG")
+    assert "![Throughput and latency against concurrency](chart.png)" in (runs[0] / "summary.md").read_text()
     assert sorted(p.name for p in runs[0].glob("level-*.json")) == [f"level-c{c:04d}.json" for c in levels]
-    assert "TP=1, EP=on" in summary.data
+    assert "TP=1, EP=on" in body
     assert "**Verdict:** pass" in artifact("validation-local-demo-tiny-moe-int4").data
     assert "**Verdict:** pass" in artifact("validation-remote-demo-tiny-moe").data
     assert "Hardware check: pass" in artifact("hardware-demo-tiny-moe").data
     server = artifact("server-demo-tiny-moe").data
-    assert "**vllm_version:** 0." in server and "**kv_cache_tokens:**" in server
-    assert "--enable-expert-parallel" in server
+    assert "**vLLM version:** 0." in server and "**KV cache (tokens):**" in server
+    assert "**KV cache capacity (requests of max_model_len tokens" in server
+    assert " \\\n  --enable-expert-parallel" in server  # one option per line
     roles = json.loads(artifact("validation-table-local-demo-tiny-moe-int4").data)
     assert {"role": "routed expert", "storage": "packed", "dtype": "I32", "modules": 24} in [
         {k: r[k] for k in ("role", "storage", "dtype", "modules")} for r in roles]
@@ -109,7 +120,7 @@ def test_demo_deploys_benchmarks_and_publishes(tmp_path):
         assert any(n.startswith(step) for n in names), (step, names)  # the prepare steps run in the deploy's run
     # The start-vllm task is the load: its duration in the UI is the server's start-up time.
     start = [t for t in _task_runs(artifact("bench-demo-tiny-moe").flow_run_id) if t.name.startswith("start-vllm")]
-    load_s = float(server.split("**startup_s:** ")[1].split()[0])
+    load_s = float(server.split("**ready after (s):** ")[1].split()[0])
     assert len(start) == 1 and load_s <= start[0].total_run_time.total_seconds() <= load_s * 1.2 + 2, (
         start[0].total_run_time, load_s)
 
@@ -122,6 +133,9 @@ def test_unknown_flag_is_refused_before_launch_naming_it(local_hub, tmp_path):
     assert "\n" not in str(info.value) and "--disable-log-requests" in str(info.value)
     failure = artifact("server-failure-demo-tiny-moe")
     assert "invalid-argument" in failure.data and "--disable-log-requests" in failure.data
+    first = artifact("deploy-demo-tiny-moe").data.splitlines()[0]
+    assert first.startswith("# Failed: demo/tiny-moe@") and "failed at the vLLM start: ServerStartError" in first
+    assert first.endswith("Nothing serves on this host")
     assert vllm_processes() == []
     assert not (tmp_path / "models" / ".rollout" / "vllm.log").exists()  # nothing was launched
 
@@ -205,8 +219,8 @@ def test_sweep_stops_by_itself_at_saturation_and_names_the_knee(local_hub, tmp_p
     for row in rows:
         assert row.total_output_tokens == max(16, row.concurrency) * 32
     best = max(rows, key=lambda r: r.output_throughput)
-    summary = artifact("bench-summary-demo-tiny-moe").data
-    assert f"at concurrency {best.concurrency}" in summary
+    summary = artifact("deploy-demo-tiny-moe").data
+    assert f" at c={best.concurrency}" in summary
     assert f"**Sweep ended:** saturated at concurrency {ran[-1]}" in summary
     # Past 2 sequences vLLM queues the rest: the scrape of /metrics says so beside our numbers.
     # vLLM updates its gauges once per logging interval, so a short level may not show its queue.

@@ -9,6 +9,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 from conftest import artifact
 from prefect import flow
+from prefect.runtime import flow_run
 from typer.testing import CliRunner
 
 from flows.cli import app
@@ -32,7 +33,8 @@ def _benchmarked_run(model: str, commit: str, ttft_s: float, itl_s: float,
     """A deploy's tail end: a real sweep against a server of known speed, then its history record."""
     with StreamingServer(ttft_s=ttft_s, itl_s=itl_s) as server:
         rows = [run_level(server.base_url, "fake", SPEC, c, vocab_size=1000) for c in SPEC.concurrency_levels]
-    return publish_record(run_record(rows, model, "main", commit, "cpu (test)", "0.32.0", "TP=1, EP=off", answers=answers))
+    return publish_record(run_record(rows, model, "main", commit, "cpu (test)", "0.32.0", "TP=1, EP=off",
+                                     flow_run_id=str(flow_run.get_id()), answers=answers))
 
 
 def _record(**numbers) -> RunRecord:
@@ -85,12 +87,18 @@ def test_history_reads_runs_of_two_models_back_and_finds_the_planted_regression(
     result = CliRunner().invoke(app, ["history", "--threshold", "0.5"])
     lines = result.stdout.splitlines()
     assert result.exit_code == 1, result.output  # the newest run of one model regressed
-    assert "single_stream_tok_s" in lines[0] and "peak_tok_s" in lines[0] and "p99_ttft_ms" in lines[0]
+    assert "single stream tok/s" in lines[0] and "peak tok/s" in lines[0] and "knee" in lines[0]
     ours = [line for line in lines if f"hist-{tag}/" in line and not line.startswith("regression")]
     assert [line.split()[2] for line in ours] == [fast] * 3 + [slow] * 2
     # The answer check's figures beside the speed; runs without one say so.
     assert "accuracy" in lines[0] and "perplexity" in lines[0]
-    assert [line.split()[9:11] for line in ours] == [["100%", "1.38"], ["97%", "2.38"], ["94%", "3.38"]] + [["-", "-"]] * 2
+    def before_status(line: str) -> list[str]:
+        words = line.split()
+        at = next(i for i, w in enumerate(words) if w in ("passed", "regressed"))
+        return words[at - 2:at]
+
+    assert [before_status(line) for line in ours] == [["100%", "1.38"], ["97%", "2.38"], ["94%", "3.38"],
+                                                      ["-", "-"], ["-", "-"]]
     assert f"regression: {slow} at main (2222222): single stream" in result.stdout
 
     one = CliRunner().invoke(app, ["history", fast, "--threshold", "0.5", "--wide"])
@@ -104,7 +112,13 @@ def test_history_reads_runs_of_two_models_back_and_finds_the_planted_regression(
     compared = json.loads(table.data) if isinstance(table.data, str) else table.data
     assert [(r["accuracy"], r["perplexity"]) for r in compared if r["model"] == fast] == \
         [(1.0, 1.38), (1 - 1 / 32, 2.38), (1 - 2 / 32, 3.38)]
-    assert f"**Regressed:** {slow} at main (2222222)" in artifact("run-comparison-summary").data
+    summary = artifact("run-comparison-summary").data
+    assert summary.startswith("# Run comparison: 1 of 2 model(s) regressed in their newest run\n")
+    assert f"**Regressed:** {slow} at main (2222222)" in summary
+    assert "![Throughput and p99 TTFT per revision over time](data:image/png;base64,iVBOR" in summary
+    assert "peak tok/s vs last good" in summary and "| single stream tok/s |" in summary.replace("  ", "")
+    slow_run = read_history(slow)[-1].flow_run_id
+    assert "[main (2222222)](" in summary and f"/runs/flow-run/{slow_run})" in summary  # each run links to its run
 
 
 def test_history_of_an_unknown_model_says_so_and_a_bad_threshold_is_refused():

@@ -5,7 +5,10 @@ from __future__ import annotations
 import httpx
 import pytest
 from conftest import artifact, vllm_processes
+from prefect.blocks.notifications import CustomWebhookNotificationBlock
+from typer.testing import CliRunner
 
+from flows.cli import app
 from flows.demo import BF16_REPO, demo_config
 from flows.deploy import deploy_model
 from flows.nightly import nightly_refresh
@@ -22,9 +25,14 @@ def _served(base_url: str) -> list[str]:
     return [m["id"] for m in httpx.get(f"{base_url}/v1/models", timeout=10).json()["data"]]
 
 
-def test_nightly_regression_rolls_back_to_the_serving_deployment(local_hub, tmp_path):
+def test_nightly_regression_rolls_back_to_the_serving_deployment(local_hub, tmp_path, webhook):
     config = demo_config(local_hub.endpoint, tmp_path / "models", **QUICK)
     state = config.run_dir / "server.json"
+    # The shipped automations, through a webhook block pointed at the local receiver.
+    CustomWebhookNotificationBlock(name="rollout test", url=webhook.url, allow_private_urls=True,
+                                   json_data={"subject": "{{subject}}", "body": "{{body}}"}).save("rollout-test",
+                                                                                                  overwrite=True)
+    assert CliRunner().invoke(app, ["notify", "--block", "custom-webhook/rollout-test"]).exit_code == 0
     try:
         first = deploy_model(config)
         good = read_last_good(config.run_dir)
@@ -35,11 +43,13 @@ def test_nightly_regression_rolls_back_to_the_serving_deployment(local_hub, tmp_
         # nightly sees a new commit, stops the old server, deploys, and measures a regression.
         # Its intervals are scaled with it: left as measured they overlap the new run's, and the gate
         # rightly calls the drop noise.
+        def faster(value):
+            return value and (value * 1000 if isinstance(value, float) else (value[0] * 1000, value[1] * 1000))
+
         was = good.record
-        planted = was.model_copy(update={
-            "commit": "0" * 40, "peak_tok_s": was.peak_tok_s * 1000, "single_stream_tok_s": was.single_stream_tok_s * 1000,
-            "peak_ci": was.peak_ci and (was.peak_ci[0] * 1000, was.peak_ci[1] * 1000),
-            "single_stream_ci": was.single_stream_ci and (was.single_stream_ci[0] * 1000, was.single_stream_ci[1] * 1000)})
+        planted = was.model_copy(update={"commit": "0" * 40} | {
+            field: faster(getattr(was, field)) for field in ("peak_tok_s", "single_stream_tok_s", "peak_ci",
+                                                              "single_stream_ci")})
         write_last_good(config.run_dir, good.model_copy(update={"commit": "0" * 40, "record": planted}))
         with pytest.raises(RegressionError, match=r"regressed against 000000000000 .* outside the noise"):
             nightly_refresh(config)
@@ -59,6 +69,22 @@ def test_nightly_regression_rolls_back_to_the_serving_deployment(local_hub, tmp_
         assert f"**Serving:** the last good deployment, `{BF16_REPO}@{'0' * 40}`" in nightly
         runs = [r for r in read_history(BF16_REPO) if r.commit == first.prepared.commit]
         assert [r.status for r in runs[-2:]] == ["passed", "regressed"]
+
+        # The deploy run's own summary says so in its first line, and why.
+        summary = artifact("deploy-demo-tiny-moe")
+        first_line = summary.data.splitlines()[0]
+        assert first_line.startswith(f"# Rolled back: {BF16_REPO}@{first.prepared.commit[:12]} failed at the "
+                                     "regression gate: RegressionError:")
+        assert "serves again" in first_line and "000000000000" in first_line
+        assert nightly.startswith(f"# Failed: {BF16_REPO}@") and "The deploy run: [" in nightly
+
+        # The automations told a person: the rollback and the failed nightly, each once.
+        posts = webhook.wait_for(2)
+        rolled = [p for p in posts if p["subject"].startswith("Rolled back on ")]
+        nightly = [p for p in posts if p["subject"].startswith("Nightly refresh failed: nightly tiny-moe@")]
+        assert len(rolled) == 1 and len(nightly) == 1, posts
+        assert first_line.removeprefix("# ") in rolled[0]["body"] and "/runs/flow-run/" in rolled[0]["body"]
+        assert "Failed" in nightly[0]["body"] and "/runs/flow-run/" in nightly[0]["body"]
     finally:
         reap_stale(state)
     assert vllm_processes() == []

@@ -239,7 +239,7 @@ GPU_LOG = """\
 
 def test_startup_facts_and_phases_are_read_from_the_log():
     assert server_facts(GPU_LOG) == {
-        "kv_cache_tokens": "1,013,760", "max_concurrency": "15.47x", "weights_load_s": "412.37",
+        "kv_cache_tokens": "1,013,760", "kv_cache_requests": "15.47x", "weights_load_s": "412.37",
         "model_load_s": "418.02", "engine_init_s": "97.11", "graph_capture_s": "41",
     }
     assert server_facts("INFO nothing here") == {}

@@ -117,8 +117,8 @@ def write_chart(df: pd.DataFrame, path: Path, title: str, gpus: int | None = Non
 
 
 def verdict_lines(results: list[LevelResult], stop: str | None) -> list[str]:
-    """What the sweep found, in words: single stream, the knee, why it ended, what each raised flag
-    means and where; the summary's bullets and the CLI's closing lines."""
+    """What the sweep found, in words: single stream, the knee, then the findings; the summary's
+    bullets and the CLI's closing lines."""
     best = knee(results)
     single = next((r for r in results if r.concurrency == 1), None)
     lines = []
@@ -130,7 +130,12 @@ def verdict_lines(results: list[LevelResult], stop: str | None) -> list[str]:
                      f"tok/s at concurrency {best.concurrency}" + (f" ({best.flags})" if best.flags else ""))
     else:
         lines.append("- **Peak (knee):** none: no level met the SLO")
-    lines.append(f"- **Sweep ended:** {stop or 'after the last level'}")
+    return lines + finding_lines(results, stop)
+
+
+def finding_lines(results: list[LevelResult], stop: str | None) -> list[str]:
+    """Why the sweep ended, and what each raised flag means, once per flag with its levels."""
+    lines = [f"- **Sweep ended:** {stop or 'after the last level'}"]
     for flag, meaning in FLAG_MEANINGS.items():
         levels = [str(r.concurrency) for r in results if flag in r.flags.split(", ")]
         if levels:
@@ -139,23 +144,26 @@ def verdict_lines(results: list[LevelResult], stop: str | None) -> list[str]:
 
 
 def summary_markdown(results: list[LevelResult], title: str, facts: dict[str, str],
-                     stop: str | None = None, chart: Path | None = None) -> str:
+                     stop: str | None = None, chart_src: str | None = None) -> str:
+    """The sweep in words, its chart (`chart_src`: a file name beside it, or a data URI where the
+    reader has no file system, as in the Prefect UI) and the headline table."""
     lines = [f"# {title}", ""]
     lines += [f"- **{k}:** {v}" for k, v in facts.items()]
     lines += verdict_lines(results, stop)
-    if chart is not None:
-        lines.append(f"- **Chart:** [{chart.name}]({chart.as_uri()}) (results in `{chart.parent}`)")
+    if chart_src is not None:
+        lines += ["", f"![Throughput and latency against concurrency]({chart_src})"]
     lines += ["", headline_table(results).to_markdown(index=False)]
     return "\n".join(lines)
 
 
 def save_results(results: list[LevelResult], results_dir: Path, title: str, facts: dict[str, str],
-                 stop: str | None, gpus: int | None = None) -> tuple[pd.DataFrame, str]:
-    """results.csv, chart.png and summary.md next to the per-level JSON files."""
+                 stop: str | None, gpus: int | None = None) -> Path | None:
+    """results.csv (every figure, vLLM's names), chart.png and summary.md next to the per-level JSON
+    files; the chart's path, None where no level had figures to draw."""
     df = bench_table(results)
     results_dir.mkdir(parents=True, exist_ok=True)
     df.to_csv(results_dir / "results.csv", index=False)
     chart = write_chart(df, results_dir / "chart.png", title, gpus)
-    markdown = summary_markdown(results, title, facts, stop, chart)
+    markdown = summary_markdown(results, title, facts, stop, chart.name if chart else None)
     (results_dir / "summary.md").write_text(markdown + "\n")
-    return df, markdown
+    return chart

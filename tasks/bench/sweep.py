@@ -19,6 +19,9 @@ def stop_reason(results: list[LevelResult], min_gain: float | None) -> str | Non
     if min_gain is None or len(results) < 2:
         return None
     last, before = results[-1], results[-2]
+    if last.output_throughput < before.output_throughput:
+        return (f"saturated at concurrency {last.concurrency}: output throughput fell to "
+                f"{last.output_throughput:,.0f} tok/s from {before.output_throughput:,.0f} at {before.concurrency}")
     if last.output_throughput < before.output_throughput * (1 + min_gain):
         return (f"saturated at concurrency {last.concurrency}: less than {min_gain:.0%} more output "
                 f"throughput than at {before.concurrency}")

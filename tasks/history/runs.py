@@ -20,7 +20,13 @@ from tasks.bench.sweep import knee
 
 # Columns of the comparison table, in print order.
 COLUMNS = ["time", "model", "revision", "single_stream_tok_s", "peak_tok_s", "knee_concurrency", "p99_ttft_ms",
-           "accuracy", "perplexity", "vllm_version", "gpu", "status", "change", "regression"]
+           "accuracy", "perplexity", "vllm_version", "gpu", "status", "peak_change", "regression", "flow_run_id"]
+# The same columns as a person reads them: units in the headers, values rounded to what they resolve.
+READABLE = {"time": "time (UTC)", "model": "model", "revision": "revision",
+            "single_stream_tok_s": "single stream tok/s",
+            "peak_tok_s": "peak tok/s", "knee_concurrency": "knee", "p99_ttft_ms": "p99 TTFT ms",
+            "accuracy": "accuracy", "perplexity": "perplexity", "status": "status",
+            "peak_change": "peak tok/s vs last good", "vllm_version": "vLLM", "gpu": "GPUs"}
 
 
 class RunRecord(BaseModel):
@@ -125,12 +131,12 @@ def check_regression(previous: RunRecord | None, current: RunRecord, threshold: 
 
 
 def comparison(records: list[RunRecord], threshold: float | None = 0.1) -> pd.DataFrame:
-    """One row per run, oldest first. `change` is peak throughput against the same model's previous
-    passed run on the same GPUs; `regression` lists what fell beyond the threshold against it."""
+    """One row per run, oldest first. `peak_change` is peak throughput against the same model's
+    previous passed run on the same GPUs; `regression` lists what fell beyond the threshold against it."""
     rows, last_passed = [], {}
     for record in sorted(records, key=lambda r: r.time):
         before = last_passed.get((record.model, record.gpu))
-        change, found = "", []
+        change, found = None, []
         if before is not None:
             if before.peak_tok_s and record.peak_tok_s is not None:
                 change = f"{record.peak_tok_s / before.peak_tok_s - 1:+.1%}"
@@ -142,5 +148,24 @@ def comparison(records: list[RunRecord], threshold: float | None = 0.1) -> pd.Da
         rows.append({**record.model_dump(), "time": f"{record.time:%Y-%m-%d %H:%M:%S}", "revision": revision,
                      "accuracy": answers.accuracy if answers else None,
                      "perplexity": answers.perplexity if answers else None,
-                     "change": change, "regression": "; ".join(found)})
+                     "peak_change": change, "regression": "; ".join(found)})
     return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def readable(table: pd.DataFrame, wide: bool = False) -> pd.DataFrame:
+    """The comparison as a person reads it (the CLI's and the UI's table): rounded, with units in the
+    headers; the vLLM version and GPUs only when `wide`, and no column that is empty on every row."""
+    def number(column: str) -> pd.Series:
+        return pd.to_numeric(table[column], errors="coerce")
+
+    shown = table.assign(
+        single_stream_tok_s=number("single_stream_tok_s").round(1), peak_tok_s=number("peak_tok_s").round(1),
+        p99_ttft_ms=number("p99_ttft_ms").round(1), perplexity=number("perplexity").map(_sig3),
+        accuracy=number("accuracy").map(lambda a: f"{a:.0%}" if pd.notna(a) else None),
+        knee_concurrency=number("knee_concurrency").astype("Int64"))
+    columns = [c for c in READABLE if wide or c not in ("vllm_version", "gpu")]
+    return shown[columns].rename(columns=READABLE).dropna(axis="columns", how="all")
+
+
+def _sig3(value) -> str | None:
+    return f"{value:.3g}" if pd.notna(value) else None

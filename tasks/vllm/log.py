@@ -40,7 +40,7 @@ PROGRESS = re.compile(r"Loading weights took|Model loading took|KV cache size|Ma
                       r"Graph capturing finished|Starting vLLM server")
 FACTS = {
     "kv_cache_tokens": r"KV cache size: ([\d,]+) tokens",
-    "max_concurrency": r"Maximum concurrency for [\d,]+ tokens per request: ([\d.]+x)",
+    "kv_cache_requests": r"Maximum concurrency for [\d,]+ tokens per request: ([\d.]+x)",
     "weights_load_s": r"Loading weights took ([\d.]+) s",
     "model_load_s": r"Model loading took [\d.]+ GiB (?:memory )?and ([\d.]+) s",
     "engine_init_s": r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s",
