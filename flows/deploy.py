@@ -150,7 +150,7 @@ def deploy_model(config: DeployConfig) -> DeployResult:
     summary = DeploySummary(config.repo_id, config.revision)
     try:
         result = _deploy(config, summary)
-    except BaseException as err:
+    except Exception as err:  # a cancelled run publishes nothing more: its hooks stop the server
         summary.publish(err)
         if summary.rollback is not None:
             emit_rolled_back(config.repo_id, summary.verdict(err))  # the automation tells a person

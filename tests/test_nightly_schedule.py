@@ -141,6 +141,10 @@ def test_scheduler_creates_nightly_runs_and_a_worker_completes_one(real_server, 
             flow_run_id=ArtifactFilterFlowRunId(any_=[run.id])))
         assert [a.key for a in artifacts] == ["nightly-demo-tiny-moe"]
         assert f"**No change:** `main` is still commit `{commit}`" in artifacts[0].data
+        # The run the scheduler made is findable: named for what it checked, tagged as the nightly.
+        ran = client.read_flow_run(run.id)
+        assert ran.name == f"nightly tiny-moe@{commit[:7]} on {socket.gethostname()}"
+        assert {f"model:{BF16_REPO}", "revision:main", "trigger:nightly"} <= set(ran.tags)
     # The "no change" path costs one hub call: nothing fetched, nothing started.
     assert all("/resolve/" not in r.path for r in local_hub.requests[asked:])
     assert not config.cache_dir.exists() and not (config.run_dir / "vllm.log").exists()
