@@ -38,11 +38,26 @@ def _answer(base_url: str, model: str, prompt: str) -> str:
     return reply["choices"][0]["text"]
 
 
-# Two ways to break it: no logits at all (every output empty), and every token read as another (wrong
-# answers). Negating one layer's routed experts does not do it: counting lives in the shared paths.
-@pytest.mark.parametrize("damage", ["lm_head zeroed", "embeddings shuffled"])
-def test_a_damaged_revision_fails_the_answer_check_and_the_good_one_serves_again(damage, hub_root, local_hub,
-                                                                                  tmp_path):
+# Two ways to break it, one after the other against the same good deployment: no logits at all
+# (every output empty), and every token read as another (wrong answers). Negating one layer's routed
+# experts does not do it: counting lives in the shared paths.
+DAMAGES = ("lm_head zeroed", "embeddings shuffled")
+
+
+def _damage(name: str):
+    def damaged(tensors):
+        import torch
+
+        if name == "lm_head zeroed":
+            tensors["lm_head.weight"] = torch.zeros_like(tensors["lm_head.weight"])
+        else:
+            rows = tensors["model.embed_tokens.weight"]
+            tensors["model.embed_tokens.weight"] = rows[torch.randperm(len(rows),
+                                                                      generator=torch.Generator().manual_seed(0))]
+    return damaged
+
+
+def test_a_damaged_revision_fails_the_answer_check_and_the_good_one_serves_again(hub_root, local_hub, tmp_path):
     repo_id = f"answers-{uuid.uuid4().hex[:6]}/tiny-moe"
     repo = hub_root / repo_id
     shutil.copytree(hub_root / BF16_REPO, repo)
@@ -56,29 +71,23 @@ def test_a_damaged_revision_fails_the_answer_check_and_the_good_one_serves_again
         base_url = f"http://127.0.0.1:{good.server.port}"
         assert good.record.answers.accuracy >= 0.9 and _answer(base_url, repo_id, "41 42 43") == " 44 45 46"
 
-        def damaged(tensors):
-            import torch
-
-            if damage == "lm_head zeroed":
-                tensors["lm_head.weight"] = torch.zeros_like(tensors["lm_head.weight"])
-            else:
-                rows = tensors["model.embed_tokens.weight"]
-                tensors["model.embed_tokens.weight"] = rows[torch.randperm(len(rows),
-                                                                          generator=torch.Generator().manual_seed(0))]
-
-        _publish(repo, damaged)
-        local_hub.refresh()
-        with pytest.raises(AnswerCheckFailed, match="accuracy"):
-            nightly_refresh(config)
-        answers = artifact(f"answers-{model_slug(repo_id)}").data
-        assert answers.startswith("# Answer check: FAILED") and "accuracy 0% below 80%" in answers
-        assert f"(last good: {good.record.answers.accuracy:.0%})" in answers  # drift figures beside the new ones
-        assert "| `42 43 44` | ` 45 46 47` | " in answers and "| ` 45 46 47 48 49 50` | no |" in answers  # side by side
-        back = read_last_good(config.run_dir)
-        assert back.commit == good.commit  # the good deployment serves again, at the same address
-        assert _answer(base_url, repo_id, "41 42 43") == " 44 45 46"
-        assert "AnswerCheckFailed" in artifact(f"rollback-{model_slug(repo_id)}").data
-        assert [r.status for r in read_history(repo_id)] == ["passed", "failed"]
+        for damage in DAMAGES:
+            (repo / "model.safetensors").write_bytes(original)
+            _publish(repo, _damage(damage))
+            local_hub.refresh()
+            with pytest.raises(AnswerCheckFailed, match="accuracy"):
+                nightly_refresh(config)
+            answers = artifact(f"answers-{model_slug(repo_id)}").data
+            assert answers.startswith("# Answer check: FAILED") and "accuracy 0% below 80%" in answers, damage
+            assert f"(last good: {good.record.answers.accuracy:.0%})" in answers  # drift figures beside the new
+            assert "| `42 43 44` | ` 45 46 47` | " in answers and "| ` 45 46 47 48 49 50` | no |" in answers
+            back = read_last_good(config.run_dir)
+            assert back.commit == good.commit  # the good deployment serves again, at the same address
+            assert _answer(base_url, repo_id, "41 42 43") == " 44 45 46"
+            assert "AnswerCheckFailed" in artifact(f"rollback-{model_slug(repo_id)}").data
+            summary = artifact(f"deploy-{model_slug(repo_id)}").data.splitlines()[0]
+            assert summary.startswith(f"# Rolled back: {repo_id}@") and "failed at the answer check" in summary
+        assert [r.status for r in read_history(repo_id)] == ["passed", "failed", "failed"]
 
         # The same weights under a new commit: a legitimate re-publish passes the drift checks.
         (repo / "model.safetensors").write_bytes(original)
@@ -86,7 +95,7 @@ def test_a_damaged_revision_fails_the_answer_check_and_the_good_one_serves_again
         local_hub.refresh()
         nightly_refresh(config)
         assert read_last_good(config.run_dir).commit != good.commit
-        assert [r.status for r in read_history(repo_id)] == ["passed", "failed", "passed"]
+        assert [r.status for r in read_history(repo_id)] == ["passed", "failed", "failed", "passed"]
     finally:
         reap_stale(state)
         shutil.rmtree(repo, ignore_errors=True)
