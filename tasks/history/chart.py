@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from datetime import timedelta
 
 from tasks.history.runs import RunRecord
 
@@ -35,9 +36,14 @@ def history_chart(records: list[RunRecord]) -> bytes | None:
                           fontsize="x-small")
     tput.set(ylabel="output tok/s", title="Throughput per revision (red ring: regressed or failed)")
     ttft.set(ylabel="ms", title="p99 TTFT at the knee per revision")
+    if all(r.p99_ttft_ms is None for r in measured):
+        ttft.text(0.5, 0.5, "no run had enough requests at its knee for a p99", ha="center", va="center",
+                  transform=ttft.transAxes)
     for axis in (tput, ttft):
         axis.legend(fontsize="x-small")
         axis.tick_params(axis="x", labelrotation=20, labelsize="small")
+        if len({r.time for r in measured}) == 1:  # one point: a day either side, not matplotlib's years
+            axis.set_xlim(measured[0].time - timedelta(days=1), measured[0].time + timedelta(days=1))
     fig.tight_layout()
     out = io.BytesIO()
     fig.savefig(out, format="png", dpi=90)
