@@ -118,13 +118,35 @@ def energy_meter(count: int, nvml: ModuleType | None = None) -> Iterator[Callabl
 
 @dataclass(frozen=True)
 class HardwarePlan:
-    """What the deployment will ask of the GPUs."""
+    """What the deployment will ask of the GPUs: a layout (TP x DP, EP on or off) and the
+    checkpoint's bytes, routed experts apart, since a layout places them differently."""
 
     tensor_parallel_size: int
     weights_bytes: int
     kv_cache_fp8: bool  # from the checkpoint's kv_cache_scheme or --kv-cache-dtype fp8*
     gpu_memory_utilization: float = 0.9
     kv_cache_reserve_bytes: int = 4 * 10**9
+    data_parallel_size: int = 1
+    expert_parallel: bool = False
+    routed_expert_bytes: int = 0  # of weights_bytes; the validation summary's "routed expert" rows
+    fp8_kv_on_sm12x: bool | None = None  # whether the installed vLLM's MLA backend there takes FP8 KV
+
+    @property
+    def gpus_needed(self) -> int:
+        return self.tensor_parallel_size * self.data_parallel_size
+
+    @property
+    def weights_per_gpu(self) -> float:
+        """Routed experts are divided over every EP rank (TP x DP) with EP, else over TP; everything
+        else is divided over TP and copied on every DP rank."""
+        others = self.weights_bytes - self.routed_expert_bytes
+        expert_ranks = self.gpus_needed if self.expert_parallel else self.tensor_parallel_size
+        return others / self.tensor_parallel_size + self.routed_expert_bytes / expert_ranks
+
+    @property
+    def layout(self) -> str:
+        dp = f" x DP={self.data_parallel_size}" if self.data_parallel_size > 1 else ""
+        return f"TP={self.tensor_parallel_size}{dp}{' + EP' if self.expert_parallel else ''}"
 
 
 def check_hardware(gpu: GpuProbe, plan: HardwarePlan) -> list[Violation]:
@@ -132,23 +154,24 @@ def check_hardware(gpu: GpuProbe, plan: HardwarePlan) -> list[Violation]:
     if gpu.platform != "cuda":
         return []
     found = []
-    if plan.tensor_parallel_size > len(gpu.gpus):
+    if plan.gpus_needed > len(gpu.gpus):
         found.append(Violation(rule="tp-exceeds-gpus", module="tensor_parallel_size",
-                               message=f"TP={plan.tensor_parallel_size} but this host has {len(gpu.gpus)} GPU(s)"))
+                               message=f"{plan.layout} needs {plan.gpus_needed} GPUs but this host has "
+                                       f"{len(gpu.gpus)}"))
     sm12 = [g for g in gpu.gpus if g.compute_capability[0] == 12]
-    if plan.kv_cache_fp8 and sm12:
+    if plan.kv_cache_fp8 and sm12 and not plan.fp8_kv_on_sm12x:
         found.append(Violation(
             rule="fp8-kv-cache-on-sm12x", module="kv_cache",
-            message=f"FP8 KV cache on compute capability 12.x ({sm12[0].name}) fails in vLLM's attention "
-                    "backends there; serve with --kv-cache-dtype auto (bf16 KV)"))
-    used = gpu.gpus[: plan.tensor_parallel_size]
-    per_gpu = plan.weights_bytes / plan.tensor_parallel_size
-    for g in used:
+            message=f"FP8 KV cache on compute capability 12.x ({sm12[0].name}) fails in this vLLM's MLA "
+                    "backend there (Triton MLA takes FP8 KV from vLLM PR #34597 on); serve with "
+                    "--kv-cache-dtype auto (bf16 KV) or a newer vLLM"))
+    per_gpu = plan.weights_per_gpu
+    for g in gpu.gpus[: plan.gpus_needed]:
         budget = g.memory_total_bytes * plan.gpu_memory_utilization
         if per_gpu + plan.kv_cache_reserve_bytes > budget:
             found.append(Violation(
                 rule="weights-exceed-gpu-memory", module=f"gpu{g.index}",
-                message=f"{per_gpu / 1e9:.1f} GB of weights per GPU at TP={plan.tensor_parallel_size} + "
+                message=f"{per_gpu / 1e9:.1f} GB of weights per GPU at {plan.layout} + "
                         f"{plan.kv_cache_reserve_bytes / 1e9:.1f} GB KV reserve > {budget / 1e9:.1f} GB "
                         f"({plan.gpu_memory_utilization:.0%} of {g.memory_total_bytes / 1e9:.0f} GB)"))
             break
@@ -156,11 +179,17 @@ def check_hardware(gpu: GpuProbe, plan: HardwarePlan) -> list[Violation]:
 
 
 def hardware_warnings(gpu: GpuProbe, plan: HardwarePlan) -> list[Violation]:
+    found = []
     if gpu.platform == "cuda" and gpu.interconnect == "pcie" and plan.tensor_parallel_size > 2:
-        return [Violation(rule="pcie-tensor-parallel", module="interconnect",
-                          message=f"TP={plan.tensor_parallel_size} over PCIe only: every layer's allreduce crosses "
-                                  "PCIe; expect single-stream decode well below an NVLink box")]
-    return []
+        found.append(Violation(rule="pcie-tensor-parallel", module="interconnect",
+                               message=f"TP={plan.tensor_parallel_size} over PCIe only: every layer's allreduce "
+                                       "crosses PCIe; expect single-stream decode well below an NVLink box"))
+    if (gpu.platform == "cuda" and plan.kv_cache_fp8 and plan.fp8_kv_on_sm12x
+            and any(g.compute_capability[0] == 12 for g in gpu.gpus)):
+        found.append(Violation(rule="fp8-kv-cache-on-sm12x", module="kv_cache",
+                               message="FP8 KV cache on compute capability 12.x: this vLLM's Triton MLA backend "
+                                       "takes it (vLLM PR #34597); check the answer check's accuracy"))
+    return found
 
 
 def kv_cache_is_fp8(kv_cache_scheme: dict | None, kv_cache_dtype: str) -> bool:

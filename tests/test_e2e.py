@@ -11,6 +11,7 @@ import pytest
 from conftest import artifact, vllm_processes
 from fake_nvml import FakeNvml
 
+import tasks.deployment.stages
 from flows.demo import BF16_REPO, demo_config, run_demo
 from flows.deploy import deploy_model, prepare_model
 from tasks.errors import CheckpointError, DiskSpaceError, GpuConfigError, HostBusyError, HubError, ServerStartError
@@ -180,6 +181,7 @@ def test_unreadable_config_json_names_the_file(local_hub, hub_root, tmp_path):
 
 def test_fp8_kv_cache_on_sm120_is_refused_before_vllm_starts(local_hub, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", FakeNvml())  # 8x RTX PRO 6000 Blackwell, PCIe
+    monkeypatch.setattr(tasks.deployment.stages, "mla_takes_fp8_kv", lambda: False)  # a vLLM before PR #34597
     config = demo_config(local_hub.endpoint, tmp_path / "models", tensor_parallel_size=8, kv_cache_dtype="fp8")
     with pytest.raises(GpuConfigError, match="fp8-kv-cache-on-sm12x"):
         deploy_model(config)

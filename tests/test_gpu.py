@@ -107,3 +107,52 @@ def test_the_gpus_a_server_uses_are_its_world_size_on_this_host():
     assert gpus_used(rtx_pro_6000(), VllmSettings(tensor_parallel_size=2, data_parallel_size=2)) == 4
     assert gpus_used(rtx_pro_6000(), VllmSettings(data_parallel_size=16, data_parallel_size_local=8)) == 8
     assert gpus_used(probe(FakeNvml(fail_init=RuntimeError("no driver"))), VllmSettings()) is None
+
+
+@pytest.fixture(scope="module")
+def kimi_int4_roles(tmp_path_factory) -> tuple[int, int]:
+    """Total and routed-expert bytes of a Kimi-K2.5 INT4-shaped checkpoint, from its validation summary."""
+    from testkit.sparse import write_sparse_kimi
+
+    from tasks.checkpoint.rules import validate_checkpoint
+
+    model = tmp_path_factory.mktemp("kimi") / "kimi"
+    write_sparse_kimi(model)
+    report = validate_checkpoint(model)
+    routed = sum(r["bytes"] for r in report.summary if r["role"] == "routed expert")
+    return report.total_bytes, routed
+
+
+def test_the_memory_model_places_experts_over_ep_ranks_and_the_rest_over_tp(kimi_int4_roles, capsys):
+    total, routed = kimi_int4_roles
+    layouts = {"TP=8 + EP": (8, 1, True), "TP=4 x DP=2 + EP": (4, 2, True), "TP=1 x DP=8 + EP": (1, 8, True),
+               "TP=4": (4, 1, False)}
+    survivors, lines = [], []
+    for name, (tp, dp, ep) in layouts.items():
+        plan = HardwarePlan(tp, total, kv_cache_fp8=False, data_parallel_size=dp, expert_parallel=ep,
+                            routed_expert_bytes=routed)
+        assert plan.layout == name
+        found = check_hardware(rtx_pro_6000(), plan)
+        lines.append(f"{name}: {plan.weights_per_gpu / 1e9:.1f} GB of weights per GPU: "
+                     + ("fits" if not found else found[0].message))
+        if not found:
+            survivors.append(name)
+    with capsys.disabled():  # the per-GPU figures, for a person reading the test run
+        print("\n" + "\n".join(lines))
+    # 594 GB, of which 571 GB routed experts: EP spreads them over all 8 GPUs; the other 24 GB are
+    # divided by TP only, and copied on each DP rank. At TP=1 x DP=8 that copy no longer fits 96 GB.
+    assert survivors == ["TP=8 + EP", "TP=4 x DP=2 + EP"]
+    assert HardwarePlan(1, total, False, data_parallel_size=8, expert_parallel=True,
+                        routed_expert_bytes=routed).weights_per_gpu == pytest.approx((total - routed) + routed / 8)
+
+
+def test_fp8_kv_on_sm120_is_refused_or_only_warned_by_what_the_installed_vllm_takes():
+    from tasks.vllm.options import mla_takes_fp8_kv
+
+    old = HardwarePlan(8, 540 * GB, kv_cache_fp8=True, fp8_kv_on_sm12x=False)
+    new = HardwarePlan(8, 540 * GB, kv_cache_fp8=True, fp8_kv_on_sm12x=True)
+    assert [v.rule for v in check_hardware(rtx_pro_6000(), old)] == ["fp8-kv-cache-on-sm12x"]
+    assert check_hardware(rtx_pro_6000(), new) == []
+    assert "fp8-kv-cache-on-sm12x" in [w.rule for w in hardware_warnings(rtx_pro_6000(), new)]
+    # vLLM 0.32's Triton MLA backend lists fp8 (PR #34597): this install only warns.
+    assert mla_takes_fp8_kv() is True

@@ -14,6 +14,7 @@ from tasks.deployment.config import DeployConfig
 from tasks.gpu import GpuProbe, HardwarePlan, kv_cache_is_fp8
 from tasks.history.last_good import LastGood
 from tasks.history.runs import RunRecord
+from tasks.vllm.options import mla_takes_fp8_kv
 from tasks.vllm.process import ServerHandle
 from tasks.vllm.settings import ServerConfig, VllmSettings
 
@@ -41,6 +42,10 @@ def hardware_plan(config: DeployConfig, prepared: PreparedModel) -> HardwarePlan
         weights_bytes=prepared.validation.total_bytes,
         kv_cache_fp8=kv_cache_is_fp8(prepared.validation.kv_cache_scheme, config.vllm.kv_cache_dtype),
         gpu_memory_utilization=config.vllm.gpu_memory_utilization or 0.9,  # vLLM's default
+        data_parallel_size=config.vllm.data_parallel_size,
+        expert_parallel=config.vllm.enable_expert_parallel,
+        routed_expert_bytes=sum(r["bytes"] for r in prepared.validation.summary if r["role"] == "routed expert"),
+        fp8_kv_on_sm12x=mla_takes_fp8_kv(),
     )
 
 

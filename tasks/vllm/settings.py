@@ -32,7 +32,8 @@ class VllmSettings(BaseModel):
     max_model_len: int | None = Field(None, ge=16, description="--max-model-len; empty keeps the model's")
     max_num_seqs: int | None = Field(None, ge=1, description="--max-num-seqs")
     max_num_batched_tokens: int | None = Field(None, ge=1, description="--max-num-batched-tokens")
-    kv_cache_dtype: str = Field("auto", description="--kv-cache-dtype; fp8 fails on SM120 (RTX PRO 6000)")
+    kv_cache_dtype: str = Field("auto", description="--kv-cache-dtype; fp8 on SM120 (RTX PRO 6000) needs a "
+                                                  "vLLM with FP8 in Triton MLA (PR #34597)")
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="--gpu-memory-utilization (0.9)")
     enforce_eager: bool = Field(False, description="--enforce-eager: no torch.compile nor CUDA graphs; starts "
                                 "in seconds instead of a minute's compile, decodes slower")
