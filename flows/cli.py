@@ -310,6 +310,57 @@ def history(
 
 
 @app.command()
+@with_options(FORM, ENGINE, LOAD)
+def tune(
+    repo_id: RepoId,
+    space: Annotated[Optional[Path], typer.Option(help="The candidate space, YAML or JSON (TuneSpace's fields); "
+                                                       "default: the 8-GPU Kimi-K2.5 space")] = None,
+    winner_rule: Annotated[str, typer.Option(help="peak or single-stream")] = "peak",
+    max_hours: Annotated[Optional[float], typer.Option(help="Stop measuring after this long")] = None,
+    promote: Annotated[bool, typer.Option(help="The winner's settings become this host's deployment settings")
+                       ] = False,
+    **options,
+) -> None:
+    """Find the best serving configuration by measurement (the tune-model flow, run here): each
+    candidate checked in milliseconds, the survivors started, checked and swept one after another."""
+    import yaml
+
+    from flows.tune import TuneConfig, tune_model
+    from tasks.tuning.space import TuneSpace
+
+    _exit_on_sigterm()
+    deploy = _from_options(FORM, options, repo_id=repo_id, vllm=_from_options(ENGINE, options),
+                           bench=_from_options(LOAD, options))
+    try:
+        candidates = TuneSpace.model_validate(yaml.safe_load(space.read_text()) or {}) if space else TuneSpace()
+        config = TuneConfig(deploy=deploy, space=candidates, winner_rule=winner_rule, max_hours=max_hours,
+                            promote=promote)
+    except (OSError, yaml.YAMLError) as exc:
+        typer.echo(f"error: --space {space}: {first_line(exc)}", err=True)
+        raise typer.Exit(2)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        typer.echo(f"error: {'--space ' + str(space) if space else 'bad option'}: "
+                   f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}", err=True)
+        raise typer.Exit(2)
+    _check_hub(deploy.repo_id, deploy.revision, deploy.hub_endpoint)
+    try:
+        results = tune_model(config)
+    except Exception as exc:
+        _fail(exc)
+    import pandas as pd
+
+    from tasks.artifacts import tuning_rows
+    from tasks.tuning.measure import winner
+
+    with pd.option_context("display.width", 250, "display.max_columns", None, "display.max_colwidth", 60):
+        typer.echo(pd.DataFrame(tuning_rows(results)).to_string(index=False))
+    best = winner(results, config.winner_rule)
+    typer.echo(f"\nwinner: {best.name}" + (" (promoted: the next deploy of this model here uses it)" if promote
+                                           else "") if best else "\nno winner: no candidate was measured")
+
+
+@app.command()
 def notify(
     block: Annotated[str, typer.Option(help="The Prefect notification block to send through, as "
                                             "<block-type>/<block-name>, e.g. slack-webhook/ops")],

@@ -39,6 +39,7 @@ from tasks.errors import AnswerCheckFailed, RegressionError, first_line
 from tasks.gpu import GpuProbe
 from tasks.history.last_good import LastGood, read_last_good, serving_deployment, write_last_good
 from tasks.history.runs import RunRecord, check_regression, run_record
+from tasks.history.tuned import read_tuned
 from tasks.host_lock import host_lock
 from tasks.hub import RepoSnapshot, missing_bytes, record_revision, snapshot_dir
 from tasks.notify import emit_rolled_back
@@ -71,18 +72,18 @@ __all__ = ["DeployConfig", "DeployResult", "PreparedModel", "deploy_model", "pre
 @flow(name="prepare-model")
 def prepare_model(config: DeployConfig) -> PreparedModel:
     """Pin the revision, make room, fetch every file in parallel, and check the checkpoint."""
-    return _prepare(config)
+    return prepare_steps(config)
 
 
-def _prepare(config: DeployConfig) -> PreparedModel:
-    """The prepare steps as tasks of the calling flow. deploy_model runs them in its own run, not as a
-    prepare-model subflow: a task fed a subflow's result records a `flow_run` input, and Prefect's UI
-    then lists none of the run's task runs (PrefectHQ/prefect#18680)."""
+def prepare_steps(config: DeployConfig, run_prefix: str = "") -> PreparedModel:
+    """The prepare steps as tasks of the calling flow (deploy, tune), which they name after the
+    model (`run_prefix` first). Not a prepare-model subflow: a task fed a subflow's result records a
+    `flow_run` input, and Prefect's UI then lists none of the run's task runs (PrefectHQ/prefect#18680)."""
     logger = get_run_logger()
-    label_run(config.repo_id, config.revision)  # findable even when the hub does not answer
+    label_run(config.repo_id, config.revision, prefix=run_prefix)  # findable even when the hub does not answer
     with hub_token(config.hf_token_secret):
         snapshot = resolve_revision(config.repo_id, config.revision, config.hub_endpoint)
-        label_run(config.repo_id, config.revision, snapshot.commit)
+        label_run(config.repo_id, config.revision, snapshot.commit, prefix=run_prefix)
         logger.info("%s@%s is commit %s: %d files, %.2f GB", config.repo_id, config.revision, snapshot.commit,
                     len(snapshot.files), snapshot.total_bytes / GB)
         validate_remote(snapshot, config.hub_endpoint)
@@ -161,13 +162,17 @@ def deploy_model(config: DeployConfig) -> DeployResult:
 
 def _deploy(config: DeployConfig, summary: DeploySummary) -> DeployResult:
     logger = get_run_logger()
+    if config.use_tuned and (tuned := read_tuned(config.run_dir, config.repo_id)) is not None:
+        logger.info("serving with the settings a tune run promoted on %s: %s", f"{tuned.time:%Y-%m-%d %H:%M}",
+                    tuned.candidate)
+        config = config.model_copy(update={"vllm": tuned.settings})
     with host_lock():  # first: reaping a "stale" server is only safe when no other deploy runs
         previous = serving_deployment(config.run_dir)  # keeps serving while the new model comes in
         if previous is None and (stale := reap_stale(config.run_dir / "server.json")) is not None:
             logger.warning("stopped vLLM process group %d left by an earlier run", stale)
         summary.serving_before = f"{previous.repo_id}@{previous.commit[:12]}" if previous else None
         with warming_option_table(config.run_dir):  # a bad flag is then refused in ms, not after a load
-            prepared = _prepare(config)
+            prepared = prepare_steps(config)
             summary.commit = prepared.commit
             gpu = probe_gpus()
             for warning in check_gpus(gpu, hardware_plan(config, prepared), config.repo_id):

@@ -37,6 +37,7 @@ from tasks.gpu import GpuProbe, HardwarePlan
 from tasks.history.chart import history_chart
 from tasks.history.runs import RunRecord, readable
 from tasks.hub import FetchResult
+from tasks.tuning.measure import CandidateResult
 
 HISTORY = "history-"
 PAGE = 200  # the API's default page limit
@@ -444,6 +445,45 @@ class DeploySummary:
         if self.last_good is not None and self.last_good.flow_run_id:
             lines += ["", f"Previous good run: {run_link(self.last_good.flow_run_id, self.last_good.commit[:12])}"]
         create_markdown_artifact(key=key, markdown="\n".join(lines), description=verdict[:250])
+
+
+# Tuning
+def tuning_rows(results: list[CandidateResult]) -> list[dict]:
+    """One row per candidate, in the order tried; figures rounded, units in the headers."""
+    def num(value: float | None, digits: int = 1) -> float | None:
+        return round(value, digits) if value is not None else None
+
+    return [{"candidate": r.name, "status": r.status, "cause": r.cause or "-",
+             "single stream tok/s": num(r.single_stream_tok_s), "peak tok/s": num(r.peak_tok_s),
+             "knee": r.knee_concurrency, "p99 TTFT ms": num(r.p99_ttft_ms), "startup s": num(r.startup_s),
+             "peak tok/s per GPU": num(r.peak_per_gpu), "seconds": num(r.seconds, 2)} for r in results]
+
+
+def publish_tuning(repo_id: str, results: list[CandidateResult], best: CandidateResult | None, rule: str,
+                   chart: bytes | None, promoted: bool) -> str:
+    """`tune-<model>`: the winner in the first line, the Pareto chart, each candidate's outcome (a
+    refusal's rule or flag, a failure's cause and log tail); `tune-table-<model>` the table alone.
+    Returns the verdict line."""
+    slug = model_slug(repo_id)
+    rows = tuning_rows(results)
+    create_table_artifact(key=f"tune-table-{slug}", table=rows, description=f"{len(rows)} candidates of {repo_id}")
+    counts = {s: sum(r.status == s for r in results) for s in ("measured", "refused", "failed", "not measured")}
+    tally = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+    verdict = (f"Winner: {best.name}: {best.peak_tok_s:,.1f} tok/s peak at c={best.knee_concurrency}, "
+               f"{best.single_stream_tok_s or 0:,.1f} single stream" if best
+               else "No winner: no candidate was measured")
+    lines = [f"# {verdict}", "", f"{repo_id}: {len(results)} candidates ({tally}); winner by {rule}"
+             + (" (ties within 2% of the best peak go to the faster single stream)." if rule == "peak" else ".")]
+    if promoted and best:
+        lines.append("\n**Promoted:** the next deploy of this model on this host serves with the winner's settings.")
+    if chart is not None:
+        lines += ["", f"![Throughput per GPU against tok/s per user]({png_data_uri(chart)})"]
+    lines += ["", _markdown_table(pd.DataFrame(rows))]
+    for r in results:
+        if r.status in ("refused", "failed"):
+            lines += ["", f"**{r.name}**: {r.status} ({r.cause})", "", "```", r.detail[-2000:], "```"]
+    create_markdown_artifact(key=f"tune-{slug}", markdown="\n".join(lines), description=verdict[:250])
+    return verdict
 
 
 # The nightly

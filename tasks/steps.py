@@ -27,6 +27,8 @@ from tasks.findings import Violation
 from tasks.gpu import GpuProbe, HardwarePlan, check_hardware, energy_meter, hardware_warnings, probe
 from tasks.history.runs import RunRecord
 from tasks.hub import FetchResult, RepoFile, RepoSnapshot, fetch_file, is_transient, resolve_snapshot
+from tasks.tuning.measure import CandidateResult, measure, refusal
+from tasks.tuning.space import Candidate
 from tasks.vllm.process import ServerHandle, reap_stale, stop_server
 from tasks.vllm.readiness import running_facts, start_and_wait
 from tasks.vllm.settings import ServerConfig
@@ -201,3 +203,26 @@ def publish_results(results: list[LevelResult], repo_id: str, facts: dict[str, s
 def publish_record(record: RunRecord) -> RunRecord:
     artifacts.publish_history_record(record)
     return record
+
+
+# Tuning
+@task(name="check-candidate", task_run_name="check {candidate.name}", tags=["tune"], cache_policy=NO_CACHE)
+def check_candidate(candidate: Candidate, gpu: GpuProbe, plan: HardwarePlan, server: ServerConfig,
+                    cache_dir: Path) -> CandidateResult | None:
+    """The hardware rules and vLLM's parser, in milliseconds: a refusal names the rule or the flag."""
+    return refusal(candidate, check_hardware(gpu, plan), server, cache_dir)
+
+
+def _candidate_key(context, parameters) -> str:
+    return parameters["key"]
+
+
+@task(name="measure-candidate", task_run_name="measure {candidate.name}", tags=["tune", "vllm"],
+      cache_key_fn=_candidate_key, persist_result=True)
+def measure_candidate(key: str, candidate: Candidate, server: ServerConfig, run_dir: Path, timeout_s: float,
+                      api_key_secret: str | None, answers: AnswerSpec, model_dir: Path, bench: BenchSpec,
+                      vocab_size: int | None, gpus: int) -> CandidateResult:
+    """Cached under `key` (model commit, vLLM version, GPUs, load, settings): a search run again, or
+    resumed after an interruption, measures only what it has not measured yet."""
+    return measure(candidate, server, run_dir, timeout_s, secret(api_key_secret), answers, model_dir, bench,
+                   vocab_size, gpus, report=get_run_logger().info)

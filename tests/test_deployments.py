@@ -39,6 +39,11 @@ def test_prefect_yaml_registers_the_nightly_and_redeploy_deployments():
         nightly = client.read_deployment_by_name("nightly-refresh/nightly-refresh")
         redeploy = client.read_deployment_by_name("deploy-model/redeploy")
         compare = client.read_deployment_by_name("compare-runs/compare")
+        tune = client.read_deployment_by_name("tune-model/tune")
+    # The tune form: the model as the redeploy's, the candidate space with the 8-GPU Kimi-K2.5 default.
+    assert tune.parameters["config"]["deploy"]["repo_id"] == "moonshotai/Kimi-K2.5"
+    space = tune.parameter_openapi_schema["definitions"]["TuneSpace"]["properties"]
+    assert {"layouts", "max_num_seqs", "all2all_backend", "enable_eplb", "kv_cache_dtype", "flags"} <= set(space)
     assert compare.parameters == {"config": {"models": [], "threshold": 0.1}}
     assert "fail_on_regression" in compare.parameter_openapi_schema["definitions"]["CompareConfig"]["properties"]
     assert [(s.schedule.cron, s.schedule.timezone) for s in nightly.schedules] == [("0 2 * * *", "Europe/Berlin")]

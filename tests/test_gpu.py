@@ -112,9 +112,8 @@ def test_the_gpus_a_server_uses_are_its_world_size_on_this_host():
 @pytest.fixture(scope="module")
 def kimi_int4_roles(tmp_path_factory) -> tuple[int, int]:
     """Total and routed-expert bytes of a Kimi-K2.5 INT4-shaped checkpoint, from its validation summary."""
-    from testkit.sparse import write_sparse_kimi
-
     from tasks.checkpoint.rules import validate_checkpoint
+    from testkit.sparse import write_sparse_kimi
 
     model = tmp_path_factory.mktemp("kimi") / "kimi"
     write_sparse_kimi(model)

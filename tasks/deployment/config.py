@@ -43,6 +43,8 @@ class DeployConfig(BaseModel):
                                          description="Fail and roll back when single-stream or peak tok/s falls "
                                          "(or p99 TTFT grows) by more than this fraction against the last good "
                                          "deployment of the same model on this host; empty: no check")
+    use_tuned: bool = Field(True, description="Serve with the vLLM settings `rollout tune --promote` chose for "
+                                              "this model on this host, where it did, instead of the ones above")
 
     @property
     def cache_dir(self) -> Path:

@@ -14,6 +14,7 @@ FAILURE_CAUSES = [
     ("out-of-memory", r"CUDA out of memory|OutOfMemoryError|Not enough memory|insufficient memory"),
     ("kv-cache-too-small", r"larger than the maximum number of tokens that can be stored in KV cache|No available memory for the cache blocks"),
     ("nccl", r"NCCL error|ncclInternalError|NCCL WARN"),
+    ("max-model-len-too-long", r"max_model_len \(\d+\) is greater than the derived"),
     ("unsupported-model", r"not supported|Unsupported|No .* backend supports|ValidationError|does not recognize this architecture|Invalid repository ID|JSONDecodeError|Error loading config|config\.json"),
 ]
 

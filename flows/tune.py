@@ -1,0 +1,95 @@
+"""The tune flow: the best serving configuration of a prepared model, found by measurement.
+
+Each candidate of the space is checked in milliseconds (the hardware rules, vLLM's own parser), then
+the survivors are measured one after another on the host's GPUs, with the deployment's own start,
+answer check and sweep. Measurements are Prefect task results keyed by model commit, vLLM version,
+GPUs, load and settings: a search run again or resumed measures only what it has not.
+"""
+
+# No `from __future__ import annotations`: Prefect builds the parameter form from real annotations.
+import time
+from datetime import datetime, timezone
+from typing import Literal
+
+from prefect import flow, get_run_logger
+from prefect.filesystems import LocalFileSystem
+from prefect.runtime import flow_run
+from pydantic import BaseModel, Field
+
+from flows.deploy import prepare_steps
+from tasks.artifacts import publish_tuning
+from tasks.deployment.config import DeployConfig
+from tasks.deployment.stages import gpus_used, hardware_plan, platform_label, server_config, vocab_size
+from tasks.history.last_good import serving_deployment, write_last_good
+from tasks.history.tuned import TunedSettings, write_tuned
+from tasks.host_lock import host_lock
+from tasks.steps import check_candidate, measure_candidate, probe_gpus, start_vllm, stop_serving
+from tasks.tuning.chart import pareto_chart
+from tasks.tuning.measure import CandidateResult, winner
+from tasks.tuning.space import TuneSpace, candidate_key, candidates
+from tasks.vllm.command import warming_option_table
+from tasks.vllm.options import installed_version
+
+
+class TuneConfig(BaseModel):
+    deploy: DeployConfig = Field(..., description="The model, its base vLLM settings, the answer check and the load")
+    space: TuneSpace = Field(default_factory=TuneSpace, description="The candidates: each list an axis")
+    winner_rule: Literal["peak", "single-stream"] = Field("peak", description="peak: best throughput within the "
+                                                          "SLO, single stream breaking ties; single-stream: best "
+                                                          "single stream")
+    max_hours: float | None = Field(None, gt=0, description="Stop measuring after this long; what was measured "
+                                                            "is reported")
+    promote: bool = Field(False, description="Make the winner's settings this host's deployment settings for the "
+                                             "model (the next deploy and nightly use them)")
+
+
+@flow(name="tune-model")
+def tune_model(config: TuneConfig) -> list[CandidateResult]:
+    """Candidates in order, likeliest winner first; the host lock held throughout, the serving model
+    stopped for the search and started again after it."""
+    logger = get_run_logger()
+    deploy = config.deploy.model_copy(update={"use_tuned": False})
+    started = time.monotonic()
+    with host_lock():
+        previous = serving_deployment(deploy.run_dir)
+        with warming_option_table(deploy.run_dir):
+            prepared = prepare_steps(deploy, run_prefix="tune ")
+            gpu = probe_gpus()
+        storage = LocalFileSystem(basepath=str(deploy.run_dir / "tune-results"))
+        measure = measure_candidate.with_options(result_storage=storage)
+        if previous is not None:
+            stop_serving(deploy.run_dir, f"{previous.repo_id}@{previous.commit[:12]}")
+        results: list[CandidateResult] = []
+        try:
+            for candidate in candidates(deploy.vllm, config.space):
+                form = deploy.model_copy(update={"vllm": candidate.settings})
+                server = server_config(form, prepared, gpu.platform)
+                refused = check_candidate(candidate, gpu, hardware_plan(form, prepared), server, deploy.run_dir)
+                if refused is not None:
+                    logger.info("%s: refused by %s in %.0f ms", candidate.name, refused.cause, refused.seconds * 1000)
+                    results.append(refused)
+                    continue
+                if config.max_hours and time.monotonic() - started > config.max_hours * 3600:
+                    results.append(CandidateResult(name=candidate.name, settings=candidate.settings,
+                                                   status="not measured", cause="max_hours"))
+                    continue
+                gpus = gpus_used(gpu, candidate.settings) or 1
+                key = candidate_key(candidate, prepared.commit, installed_version() or "unknown", platform_label(gpu),
+                                    deploy.bench)
+                results.append(measure(key, candidate, server, deploy.run_dir, deploy.startup_timeout_s,
+                                       deploy.api_key_secret, deploy.answers, prepared.model_dir, deploy.bench,
+                                       vocab_size(prepared.model_dir), gpus))
+        finally:
+            if previous is not None:  # the host serves what it served before the search
+                handle, _ = start_vllm.with_options(task_run_name="restart last good")(
+                    previous.server, deploy.run_dir, deploy.startup_timeout_s, previous.api_key_secret,
+                    deploy.repo_id, "-after-tune")
+                write_last_good(deploy.run_dir, previous.model_copy(update={"serving_pgid": handle.pgid}))
+        best = winner(results, config.winner_rule)
+        if config.promote and best is not None:
+            write_tuned(deploy.run_dir, TunedSettings(repo_id=deploy.repo_id, settings=best.settings,
+                                                      candidate=best.name, time=datetime.now(timezone.utc),
+                                                      flow_run_id=str(flow_run.get_id() or "") or None))
+    logger.info(publish_tuning(deploy.repo_id, results, best, config.winner_rule, pareto_chart(results, best),
+                               config.promote))
+    return results

@@ -1,0 +1,46 @@
+"""Settings a tune run promoted for a model on this host, beside last-good.json: the next deploy of
+that model, the nightly's included, serves with them."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+from pydantic import BaseModel, ValidationError
+
+from tasks.vllm.settings import VllmSettings
+
+
+class TunedSettings(BaseModel):
+    repo_id: str
+    settings: VllmSettings
+    candidate: str  # the winner's name: its layout and what differs from the base
+    time: datetime
+    flow_run_id: str | None = None
+
+
+def tuned_file(run_dir: Path) -> Path:
+    return run_dir / "tuned.json"
+
+
+def read_tuned(run_dir: Path, repo_id: str) -> TunedSettings | None:
+    """None without a promotion for this model (or an unreadable file: it must not block a deploy)."""
+    try:
+        tuned = {k: TunedSettings.model_validate(v) for k, v in json.loads(tuned_file(run_dir).read_text()).items()}
+    except (FileNotFoundError, ValueError, ValidationError):
+        return None
+    return tuned.get(repo_id)
+
+
+def write_tuned(run_dir: Path, tuned: TunedSettings) -> None:
+    path = tuned_file(run_dir)
+    try:
+        every = json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        every = {}
+    every[tuned.repo_id] = tuned.model_dump(mode="json")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(every, indent=2))
+    tmp.replace(path)

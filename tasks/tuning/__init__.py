@@ -1,0 +1,1 @@
+"""The search for the best serving configuration: candidates, pruning, results, the winner."""
