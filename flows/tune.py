@@ -12,7 +12,6 @@ from datetime import datetime, timezone
 from typing import Literal
 
 from prefect import flow, get_run_logger
-from prefect.filesystems import LocalFileSystem
 from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
@@ -55,8 +54,6 @@ def tune_model(config: TuneConfig) -> list[CandidateResult]:
         with warming_option_table(deploy.run_dir):
             prepared = prepare_steps(deploy, run_prefix="tune ")
             gpu = probe_gpus()
-        storage = LocalFileSystem(basepath=str(deploy.run_dir / "tune-results"))
-        measure = measure_candidate.with_options(result_storage=storage)
         if previous is not None:
             stop_serving(deploy.run_dir, f"{previous.repo_id}@{previous.commit[:12]}")
         results: list[CandidateResult] = []
@@ -74,9 +71,9 @@ def tune_model(config: TuneConfig) -> list[CandidateResult]:
                                                    status="not measured", cause="max_hours"))
                     continue
                 gpus = gpus_used(gpu, candidate.settings) or 1
-                key = candidate_key(candidate, prepared.commit, installed_version() or "unknown", platform_label(gpu),
-                                    deploy.bench)
-                results.append(measure(key, candidate, server, deploy.run_dir, deploy.startup_timeout_s,
+                key = candidate_key(candidate, prepared.commit, installed_version() or "unknown",
+                                    f"{platform_label(gpu)} at {deploy.run_dir}", deploy.bench)
+                results.append(measure_candidate(key, candidate, server, deploy.run_dir, deploy.startup_timeout_s,
                                        deploy.api_key_secret, deploy.answers, prepared.model_dir, deploy.bench,
                                        vocab_size(prepared.model_dir), gpus))
         finally:

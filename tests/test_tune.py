@@ -70,8 +70,9 @@ def test_tune_refuses_measures_resumes_and_promotes(local_hub, tmp_path):
     again = again_state.result()
     assert time.monotonic() - started < 60
     states = _task_states(again_state.state_details.flow_run_id)
-    assert {n: s for n, s in states.items() if n.startswith("measure ")} == {
-        "measure TP=1 + EP, max_num_seqs=2": "Cached", "measure TP=1 + EP, max_num_seqs=16": "Cached"}
+    assert {n: s for n, s in states.items() if n.startswith("measure ")} == {  # the failed start too
+        "measure TP=1 + EP, max_num_seqs=2": "Cached", "measure TP=1 + EP, max_num_seqs=16": "Cached",
+        "measure TP=1 + EP, max_model_len=100000": "Cached"}
     assert [(r.name, r.status, r.cause, r.peak_tok_s) for r in again] == [
         (r.name, r.status, r.cause, r.peak_tok_s) for r in results]
     assert artifact("tune-demo-tiny-moe").data.splitlines()[0] == first

@@ -104,7 +104,8 @@ def candidates(base: VllmSettings, space: TuneSpace) -> list[Candidate]:
 
 
 def candidate_key(candidate: Candidate, commit: str, vllm_version: str, gpus: str, bench: BaseModel) -> str:
-    """What makes a measurement reusable: the same model commit, vLLM, GPUs, load and settings."""
+    """What makes a measurement reusable: the same model commit, vLLM, GPUs (the host's, by its
+    models root), load and settings."""
     what = json.dumps([candidate.settings.model_dump(mode="json"), commit, vllm_version, gpus,
                        bench.model_dump(mode="json")], sort_keys=True)
     return "tune-" + hashlib.sha256(what.encode()).hexdigest()[:32]
