@@ -333,15 +333,19 @@ def tune(
                            bench=_from_options(LOAD, options))
     try:
         candidates = TuneSpace.model_validate(yaml.safe_load(space.read_text()) or {}) if space else TuneSpace()
-        config = TuneConfig(deploy=deploy, space=candidates, winner_rule=winner_rule, max_hours=max_hours,
-                            promote=promote)
     except (OSError, yaml.YAMLError) as exc:
         typer.echo(f"error: --space {space}: {first_line(exc)}", err=True)
         raise typer.Exit(2)
     except ValidationError as exc:
         err = exc.errors()[0]
-        typer.echo(f"error: {'--space ' + str(space) if space else 'bad option'}: "
-                   f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}", err=True)
+        typer.echo(f"error: --space {space}: {'.'.join(str(p) for p in err['loc'])}: {err['msg']}", err=True)
+        raise typer.Exit(2)
+    try:
+        config = TuneConfig(deploy=deploy, space=candidates, winner_rule=winner_rule, max_hours=max_hours,
+                            promote=promote)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        typer.echo(f"error: bad option --{str(err['loc'][0]).replace('_', '-')}: {err['msg']}", err=True)
         raise typer.Exit(2)
     _check_hub(deploy.repo_id, deploy.revision, deploy.hub_endpoint)
     try:

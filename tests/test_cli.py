@@ -123,3 +123,15 @@ def test_prepare_names_a_repo_that_does_not_exist(local_hub, tmp_path):
     assert result.stderr.strip().splitlines() == [
         f"error: repo demo/absent not found on {local_hub.endpoint} (private repos need HF_TOKEN)"]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_tune_refuses_a_bad_space_file_or_option_in_one_line_naming_it(tmp_path):
+    space = tmp_path / "space.yaml"
+    space.write_text("layouts:\n  - tensor_parallel_size: 0\n")
+    for args, says in ((["--space", str(space)], f"error: --space {space}: layouts.0.tensor_parallel_size: "),
+                       (["--space", str(tmp_path / "none.yaml")], f"error: --space {tmp_path / 'none.yaml'}: "
+                                                                   "FileNotFoundError"),
+                       (["--winner-rule", "fastest"], "error: bad option --winner-rule: ")):
+        result = runner.invoke(app, ["tune", "demo/x", *args])
+        assert result.exit_code == 2 and result.stderr.startswith(says), result.output
+        assert len(result.stderr.splitlines()) == 1
