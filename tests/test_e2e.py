@@ -64,8 +64,11 @@ def test_demo_deploys_benchmarks_and_publishes(tmp_path):
         assert row.window == pytest.approx(0.8 * 3.0, rel=0.05)
         assert row.total_output_tokens == row.completed * 32  # ignore_eos + min_tokens
         assert row.output_throughput_ci[0] <= row.output_throughput <= row.output_throughput_ci[1]
-        # vLLM on its own cores and the client on another: tokens stream one by one on every level.
-        assert row.tpot.median > 0 and row.itl.median > 0 and row.token_itl.median > 0
+        # vLLM on its own cores and the client on another: tokens stream one by one up to the knee.
+        # Past it vLLM queues, its API process sends a stream's tokens in bursts, and the median
+        # interval between chunks can be 0 (seen at c=128 with 256 requests in flight on one core).
+        if row.concurrency <= knee:
+            assert row.tpot.median > 0 and row.itl.median > 0 and row.token_itl.median > 0
         assert "client-limited" not in row.flags
         assert row.e2el.median >= row.ttft.median
         assert row.server_running_max is not None  # vLLM's /metrics was scraped during the level
@@ -76,8 +79,9 @@ def test_demo_deploys_benchmarks_and_publishes(tmp_path):
     assert table.type == "table"
     stored = json.loads(table.data) if isinstance(table.data, str) else table.data
     assert [r["concurrency"] for r in stored] == levels
-    for kept, measured in zip(stored, rows):
-        assert kept["output tok/s"].startswith(f"{measured.output_throughput:.1f} ±")
+    for kept, measured in zip(stored, rows):  # a level with no steady state has no interval to show
+        assert kept["output tok/s"].startswith(f"{measured.output_throughput:.1f}")
+        assert ("±" in kept["output tok/s"]) == (measured.output_throughput_ci is not None)
     assert all(value is not None for r in stored for value in r.values())  # no always-empty column
 
     # The run's own summary: the verdict first, the figures, the chart in the page, links to the rest.
