@@ -11,7 +11,7 @@ from conftest import artifact, vllm_processes
 from flows.demo import demo_config
 from flows.deploy import deploy_model
 from flows.tune import TuneConfig, tune_model
-from tasks.tuning.measure import winner
+from tasks.tuning.measure import CandidateResult, winner
 from tasks.tuning.space import Layout, TuneSpace, candidates
 from tasks.vllm.settings import VllmSettings
 
@@ -37,6 +37,21 @@ def test_the_default_space_is_ordered_likeliest_first_and_varies_ep_options_only
                                        ] + ["TP=8, max_num_seqs=256"]  # no all2all backend without EP
     assert found[1].settings.extra_args == ["--all2all-backend", "deepep_low_latency"]
     assert (found[2].settings.tensor_parallel_size, found[2].settings.data_parallel_size) == (4, 2)
+
+
+def test_the_winner_is_the_best_peak_and_a_near_tie_goes_to_the_faster_single_stream():
+    def result(name, peak, single, status="measured"):
+        return CandidateResult(name=name, settings=VllmSettings(), status=status, peak_tok_s=peak,
+                               single_stream_tok_s=single)
+
+    wide = result("TP=8 + EP", 2276.0, 82.0)
+    near = result("TP=4 x DP=2 + EP", 2250.0, 95.0)  # 1.1% below the best peak, much faster alone
+    slow = result("TP=8", 1500.0, 120.0)
+    refused = result("TP=1 x DP=8 + EP", None, None, "refused")
+    assert winner([wide, near, slow, refused]) is near
+    assert winner([wide, result("x", 2000.0, 95.0), slow]) is wide  # 12% below: peak wins
+    assert winner([wide, near, slow], "single-stream") is slow
+    assert winner([refused]) is None
 
 
 @pytest.mark.usefixtures("prefect_server")
