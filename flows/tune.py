@@ -57,6 +57,8 @@ def tune_model(config: TuneConfig) -> list[CandidateResult]:
         if previous is not None:
             stop_serving(deploy.run_dir, f"{previous.repo_id}@{previous.commit[:12]}")
         results: list[CandidateResult] = []
+        vocab, measured_on = vocab_size(prepared.model_dir), (installed_version() or "unknown",
+                                                               f"{platform_label(gpu)} at {deploy.run_dir}")
         try:
             for candidate in candidates(deploy.vllm, config.space):
                 form = deploy.model_copy(update={"vllm": candidate.settings})
@@ -71,11 +73,10 @@ def tune_model(config: TuneConfig) -> list[CandidateResult]:
                                                    status="not measured", cause="max_hours"))
                     continue
                 gpus = gpus_used(gpu, candidate.settings) or 1
-                key = candidate_key(candidate, prepared.commit, installed_version() or "unknown",
-                                    f"{platform_label(gpu)} at {deploy.run_dir}", deploy.bench)
+                key = candidate_key(candidate, prepared.commit, *measured_on, deploy.bench)
                 results.append(measure_candidate(key, candidate, server, deploy.run_dir, deploy.startup_timeout_s,
-                                       deploy.api_key_secret, deploy.answers, prepared.model_dir, deploy.bench,
-                                       vocab_size(prepared.model_dir), gpus))
+                                                 deploy.api_key_secret, deploy.answers, prepared.model_dir,
+                                                 deploy.bench, vocab, gpus))
         finally:
             if previous is not None:  # the host serves what it served before the search
                 handle, _ = start_vllm.with_options(task_run_name="restart last good")(

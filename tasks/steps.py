@@ -174,9 +174,7 @@ def stop_serving(run_dir: Path, what: str) -> None:
 def answer_check(base_url: str, model: str, spec: AnswerSpec, model_dir: Path, last_good: AnswerBaseline | None,
                  same_commit: bool, repo_id: str, api_key: str | None = None) -> AnswerReport:
     """The check, published; the flow decides what a failed one means (it records it, then raises)."""
-    if spec.probes is not None and not spec.probes.is_absolute():  # a probe set shipped with the model
-        spec = spec.model_copy(update={"probes": model_dir / spec.probes})
-    report = check_answers(base_url, model, spec, last_good, same_commit, api_key)
+    report = check_answers(base_url, model, spec.for_model(model_dir), last_good, same_commit, api_key)
     artifacts.publish_answers(report, repo_id)
     return report
 

@@ -23,3 +23,9 @@ class AnswerSpec(BaseModel):
                                         "good deployment's by more than this factor fails")
     max_changed_outputs: float = Field(0.1, ge=0, le=1, description="Same commit as the last good deployment: share "
                                        "of greedy outputs that may differ from its")
+
+    def for_model(self, model_dir: Path) -> AnswerSpec:
+        """A relative probes path is a probe set shipped with the model: resolved in its folder."""
+        if self.probes is None or self.probes.is_absolute():
+            return self
+        return self.model_copy(update={"probes": model_dir / self.probes})

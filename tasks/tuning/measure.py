@@ -79,9 +79,8 @@ def measure(candidate: Candidate, server: ServerConfig, run_dir: Path, timeout_s
     try:
         accuracy = None
         if answers.enabled:
-            if answers.probes is not None and not answers.probes.is_absolute():  # shipped with the model
-                answers = answers.model_copy(update={"probes": model_dir / answers.probes})
-            checked = check_answers(handle.base_url, server.served_model_name, answers, api_key=handle.api_key)
+            checked = check_answers(handle.base_url, server.served_model_name, answers.for_model(model_dir),
+                                    api_key=handle.api_key)
             accuracy = checked.accuracy
             if not checked.passed:
                 return CandidateResult(**base, status="failed", cause="answer-check",
