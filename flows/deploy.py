@@ -118,7 +118,8 @@ def _fetch_all(config: DeployConfig, snapshot: RepoSnapshot, needed: int) -> Non
     started = time.perf_counter()
     with ThreadPoolTaskRunner(max_workers=config.max_parallel_downloads) as downloads:
         futures = [downloads.submit(fetch, {"snapshot": snapshot, "file": f, "cache_dir": config.cache_dir,
-                                            "endpoint": config.hub_endpoint, "on_bytes": progress.add})
+                                            "endpoint": config.hub_endpoint, "on_bytes": progress.add,
+                                            "mirror": config.mirror_endpoint})
                    for f in sorted(snapshot.files, key=lambda f: f.size)]
         wait(futures)
         results = [future.result() for future in futures]  # raises the first failed fetch with its own message

@@ -12,7 +12,6 @@ import json
 import math
 import re
 import shlex
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from tasks.findings import Violation
 from tasks.gpu import GpuProbe, HardwarePlan
 from tasks.history.chart import history_chart
 from tasks.history.runs import RunRecord, readable
+from tasks.host import host_name
 from tasks.hub import FetchResult
 from tasks.tuning.measure import CandidateResult
 
@@ -142,15 +142,21 @@ class FetchProgress:
 
 
 def publish_fetch(results: list[FetchResult], wall_s: float, repo_id: str) -> None:
-    """Per-file and overall MB/s, so a slow link or a slow shard shows in the run's history."""
+    """Per-file and overall MB/s and where each file came from, so a slow link, a slow shard or a
+    mirror that failed its hash shows in the run's history."""
     downloaded = sum(r.downloaded for r in results)
     rows = [{"file": r.path, "MB": round(r.size / 1e6, 3), "downloaded_MB": round(r.downloaded / 1e6, 3),
              "resumed_from_MB": round(r.resumed_from / 1e6, 3), "seconds": round(r.seconds, 3),
-             "MB_per_s": round(r.mb_per_s, 1)} for r in results]
+             "MB_per_s": round(r.mb_per_s, 1), "source": r.source, "mirror_error": r.mirror_error or ""}
+            for r in results]
+    by_source = {s: sum(r.source == s for r in results) for s in ("hub", "mirror", "cache")}
+    failures = sum(r.mirror_error is not None for r in results)
     rows.append({"file": "(all, wall clock)", "MB": round(sum(r.size for r in results) / 1e6, 3),
                  "downloaded_MB": round(downloaded / 1e6, 3),
                  "resumed_from_MB": round(sum(r.resumed_from for r in results) / 1e6, 3),
-                 "seconds": round(wall_s, 3), "MB_per_s": round(downloaded / 1e6 / wall_s, 1) if wall_s > 0 else 0.0})
+                 "seconds": round(wall_s, 3), "MB_per_s": round(downloaded / 1e6 / wall_s, 1) if wall_s > 0 else 0.0,
+                 "source": ", ".join(f"{n} {s}" for s, n in by_source.items() if n),
+                 "mirror_error": f"{failures} mirror failure(s)" if failures else ""})
     create_table_artifact(key=f"fetch-{model_slug(repo_id)}", table=rows,
                           description=f"{downloaded / 1e6:,.1f} MB downloaded in {wall_s:.1f} s")
 
@@ -422,7 +428,7 @@ class DeploySummary:
         from prefect.runtime import flow_run
 
         verdict = self.verdict(err).replace("\n", " ")
-        lines = [f"# {verdict}", "", f"- **Host:** {socket.gethostname()}"]
+        lines = [f"# {verdict}", "", f"- **Host:** {host_name()}"]
         lines += [f"- **{k}:** {v}" for k, v in self.facts.items()]
         if self.record is not None:
             knee = next((r for r in self.results if r.concurrency == self.record.knee_concurrency), None)
@@ -493,3 +499,41 @@ def publish_nightly(repo_id: str, revision: str, verdict: str, body: str, deploy
             f"`deploy-{model_slug(repo_id)}` artifact." if deploy_run_id else "")
     create_markdown_artifact(key=f"nightly-{model_slug(repo_id)}", description=verdict[:250],
                              markdown=f"# {verdict}\n\nNightly refresh of `{repo_id}@{revision}`.\n\n{body}{link}")
+
+
+# The fleet
+def read_deploy_outcome(flow_run_id: str, repo_id: str) -> tuple[str | None, RunRecord | None, list[dict]]:
+    """A deploy run's summary verdict, history record and fetch table, as it published them."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    slug = model_slug(repo_id)
+    with get_client(sync_client=True) as client:
+        found = {a.key: a for a in client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))}
+
+    def rows(key: str) -> list[dict]:
+        data = found[key].data if key in found else "[]"
+        return json.loads(data) if isinstance(data, str) else data
+
+    summary = found.get(f"deploy-{slug}")
+    records = [RunRecord.model_validate(row) for row in rows(HISTORY + slug)]
+    return (summary.description if summary else None, records[-1] if records else None,
+            [r for r in rows(f"fetch-{slug}") if not r["file"].startswith("(")])
+
+
+def publish_fleet(repo_id: str, commit: str, verdict: str, rows: list[dict], mirror: str | None) -> None:
+    """`fleet-<model>`: the verdict, then a row per host with its run linked; every mirror failure named."""
+    table = pd.DataFrame([{**{k: v for k, v in row.items() if k not in ("flow_run_id", "failures")},
+                           "run": run_link(row["flow_run_id"], "run") if row["flow_run_id"] else "-"}
+                          for row in rows])
+    table = table[[c for c in table.columns if c == "host" or table[c].astype(bool).any()]]  # drop empty columns
+    lines = [f"# {verdict}", "", f"- **Revision:** `{repo_id}@{commit}`",
+             f"- **Canary:** {rows[0]['host']}; the hosts after it fetched from "
+             + (f"its mirror {mirror}, each file held to the Hub's sha256" if mirror else "the Hub (no mirror set)"),
+             "", _markdown_table(table)]
+    failures = [(row["host"], f) for row in rows for f in row.get("failures", [])]
+    if failures:
+        lines += ["", f"**Mirror failures ({len(failures)})**, each file then fetched from the Hub and verified:", ""]
+        lines += [f"- {host}: {what}" for host, what in failures]
+    create_markdown_artifact(key=f"fleet-{model_slug(repo_id)}", markdown="\n".join(lines), description=verdict[:250])

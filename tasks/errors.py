@@ -110,6 +110,14 @@ class RegressionError(RolloutError):
     stage = "the regression gate"
 
 
+# Fleet
+class FleetRolloutFailed(RolloutError):
+    """A host of a fleet rollout did not end serving the new revision; the hosts after it were left
+    as they were."""
+
+    stage = "the fleet rollout"
+
+
 def first_line(err: BaseException) -> str:
     """`Type: first line of the message`: what a log line, an artifact and the CLI show of an error."""
     text = str(err).splitlines()

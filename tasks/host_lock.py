@@ -9,7 +9,6 @@ lapses instead of blocking it until someone logs in.
 from __future__ import annotations
 
 import re
-import socket
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
@@ -19,12 +18,13 @@ from prefect.concurrency.sync import concurrency
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
 from tasks.errors import HostBusyError
+from tasks.host import host_name
 
 LEASE_S = 60.0  # renewed while the deploy lives; a deploy killed with SIGKILL frees the host after this
 
 
 def limit_name(host: str | None = None) -> str:
-    host = host or socket.gethostname()
+    host = host or host_name()
     return "vllm-host-" + re.sub(r"[^a-z0-9-]+", "-", host.lower()).strip("-")
 
 

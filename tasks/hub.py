@@ -33,7 +33,15 @@ from huggingface_hub.errors import (
 from huggingface_hub.file_download import repo_folder_name
 from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
-from tasks.errors import ChecksumError, DiskSpaceError, HubError, HubUnreachable, IncompleteDownload
+from tasks.errors import (
+    ChecksumError,
+    DiskSpaceError,
+    HubError,
+    HubUnreachable,
+    IncompleteDownload,
+    RolloutError,
+    first_line,
+)
 
 PART_SUFFIX = ".part"  # bytes of a blob still coming in; never visible under snapshots/
 CHUNK = 8 * 1024 * 1024
@@ -101,6 +109,8 @@ class FetchResult:
     downloaded: int  # bytes that crossed the network in the try that finished it (0: the blob was there)
     resumed_from: int  # bytes earlier tries, or an earlier run, had left in the partial file
     seconds: float
+    source: str = "hub"  # where the bytes came from: "hub", "mirror", or "cache" (nothing fetched)
+    mirror_error: str | None = None  # why the mirror's copy was not used, when one was tried
 
     @property
     def mb_per_s(self) -> float:
@@ -276,9 +286,12 @@ def _retry_after_s(value: str | None, cap_s: float = 60.0) -> float:
 
 
 def fetch_file(snapshot: RepoSnapshot, file: RepoFile, cache_dir: Path, endpoint: str | None = None,
-               on_bytes: Callable[[int], None] = lambda n: None) -> FetchResult:
+               on_bytes: Callable[[int], None] = lambda n: None, mirror: str | None = None) -> FetchResult:
     """Fetch one file at the pinned commit into the HF cache; only verified bytes get a blob name.
 
+    With a mirror (another host's `rollout mirror`), its copy is tried first and held to the hash the
+    Hub published, as the Hub's own would be. Whatever goes wrong there (a flipped byte, a reset, a
+    404, a mirror that is down) costs that file one fetch from the Hub, and the result says why.
     A partial file from an earlier try or run is resumed. A hash mismatch, a disk that fills up or
     a permanent hub error deletes the partial file: what the cache holds is complete or absent.
     """
@@ -288,44 +301,64 @@ def fetch_file(snapshot: RepoSnapshot, file: RepoFile, cache_dir: Path, endpoint
     blob = _blob(snapshot, file, cache_dir)
     blob.parent.mkdir(parents=True, exist_ok=True)
     part = blob.with_name(file.etag + PART_SUFFIX)
+    mirror_error = None
     with FileLock(str(blob.with_name(file.etag + ".lock"))):
         if blob.exists() and blob.stat().st_size == file.size:  # renamed only once verified
             _link(snapshot, file, blob, cache_dir)
-            return FetchResult(file.path, file.size, 0, 0, time.perf_counter() - start)
-        url = hf_hub_url(snapshot.repo_id, file.path, revision=snapshot.commit, endpoint=endpoint)
-        with part.open("ab+") as fh:
-            if fh.seek(0, os.SEEK_END) > file.size:
-                fh.truncate(0)
-            sink = _HashingFile(fh, file, on_bytes)
+            return FetchResult(file.path, file.size, 0, 0, time.perf_counter() - start, source="cache")
+        if mirror:
             try:
-                with reaching(endpoint):
-                    _stream(url, sink, file)
-            except HfHubHTTPError as exc:
-                permanent = _access_error(exc, f"{snapshot.repo_id}: {file.path}") or (
-                    HubError(f"{snapshot.repo_id}@{snapshot.commit[:12]}: {file.path} not found")
-                    if isinstance(exc, (EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError))
-                    else None)
-                if permanent:
-                    part.unlink(missing_ok=True)
-                    raise permanent from exc
-                raise  # 5xx or 429: the task retries
-            except OSError as exc:
-                if exc.errno in _DISK_FULL:
-                    done = fh.tell()
-                    part.unlink(missing_ok=True)
-                    raise DiskSpaceError(f"{file.path}: disk full after {done:,} of {file.size:,} bytes in "
-                                         f"{blob.parent} ({os.strerror(exc.errno)}); partial file deleted") from exc
+                resumed = _download(snapshot, file, part, mirror, on_bytes)
+                source = "mirror"
+            except DiskSpaceError:
                 raise
-            actual = sink.hasher.hexdigest()
-            size = fh.tell()
-        if size != file.size or actual != file.etag:
-            part.unlink(missing_ok=True)
-            raise ChecksumError(f"{file.path}: {size:,} bytes hashing to {actual[:12]}, the hub published "
-                                f"{file.size:,} bytes hashing to {file.etag[:12]}; deleted, will fetch again")
+            except (RolloutError, OSError) as exc:  # HTTP and transport errors are OSErrors too
+                mirror_error = first_line(exc)
+                part.unlink(missing_ok=True)  # a partial copy from the mirror cannot be vouched for
+        if mirror_error or not mirror:
+            resumed = _download(snapshot, file, part, endpoint, on_bytes)
+            source = "hub"
         os.replace(part, blob)
     _link(snapshot, file, blob, cache_dir)
-    return FetchResult(file.path, file.size, file.size - sink.resumed_from, sink.resumed_from,
-                       time.perf_counter() - start)
+    return FetchResult(file.path, file.size, file.size - resumed, resumed, time.perf_counter() - start,
+                       source=source, mirror_error=mirror_error)
+
+
+def _download(snapshot: RepoSnapshot, file: RepoFile, part: Path, endpoint: str | None,
+              on_bytes: Callable[[int], None]) -> int:
+    """The rest of the file from `endpoint` into `part`, verified; returns the bytes it resumed from."""
+    url = hf_hub_url(snapshot.repo_id, file.path, revision=snapshot.commit, endpoint=endpoint)
+    with part.open("ab+") as fh:
+        if fh.seek(0, os.SEEK_END) > file.size:
+            fh.truncate(0)
+        sink = _HashingFile(fh, file, on_bytes)
+        try:
+            with reaching(endpoint):
+                _stream(url, sink, file)
+        except HfHubHTTPError as exc:
+            permanent = _access_error(exc, f"{snapshot.repo_id}: {file.path}") or (
+                HubError(f"{snapshot.repo_id}@{snapshot.commit[:12]}: {file.path} not found")
+                if isinstance(exc, (EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError))
+                else None)
+            if permanent:
+                part.unlink(missing_ok=True)
+                raise permanent from exc
+            raise  # 5xx or 429: the task retries
+        except OSError as exc:
+            if exc.errno in _DISK_FULL:
+                done = fh.tell()
+                part.unlink(missing_ok=True)
+                raise DiskSpaceError(f"{file.path}: disk full after {done:,} of {file.size:,} bytes in "
+                                     f"{part.parent} ({os.strerror(exc.errno)}); partial file deleted") from exc
+            raise
+        actual = sink.hasher.hexdigest()
+        size = fh.tell()
+    if size != file.size or actual != file.etag:
+        part.unlink(missing_ok=True)
+        source = (endpoint or constants.ENDPOINT).rstrip("/")
+        raise ChecksumError(f"{file.path}: {size:,} bytes from {source} hashing to {actual[:12]}, the hub "
+                            f"published {file.size:,} bytes hashing to {file.etag[:12]}; deleted, will fetch again")
+    return sink.resumed_from
 
 
 def record_revision(snapshot: RepoSnapshot, cache_dir: Path) -> None:

@@ -8,7 +8,6 @@ the host that failed can no longer send anything.
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import yaml
@@ -20,6 +19,7 @@ from prefect.runtime import flow_run
 
 from tasks.artifacts import model_slug, ui_link
 from tasks.errors import UnusableInput
+from tasks.host import host_name
 
 AUTOMATIONS = Path(__file__).resolve().parent.parent / "deployments" / "automations.yaml"
 BLOCK_PLACEHOLDER = "NOTIFICATION_BLOCK"
@@ -32,7 +32,7 @@ def emit_rolled_back(repo_id: str, verdict: str) -> None:
     emit_event(event=ROLLED_BACK,
                resource={"prefect.resource.id": f"rollout.model.{model_slug(repo_id)}",
                          "prefect.resource.name": repo_id},
-               payload={"verdict": verdict, "host": socket.gethostname(),
+               payload={"verdict": verdict, "host": host_name(),
                         "run_url": ui_link(f"runs/flow-run/{run_id}") if run_id else ""})
 
 

@@ -7,12 +7,11 @@ Runs page filters one model's history by a tag.
 
 from __future__ import annotations
 
-import socket
-
 from prefect.client.orchestration import get_client
 from prefect.runtime import deployment, flow_run
 
 from tasks.artifacts import model_slug
+from tasks.host import host_name
 
 TRIGGER = "trigger:"
 
@@ -40,7 +39,7 @@ def label_run(repo_id: str, revision: str, commit: str | None = None, prefix: st
     run_id = flow_run.get_id()
     if not run_id:
         return
-    host = socket.gethostname()
+    host = host_name()
     name = f"{prefix}{model_slug(repo_id.split('/')[-1])}@{(commit or revision)[:7]} on {host}"
     tags = [model_tag(repo_id), f"revision:{revision}", f"host:{host}", TRIGGER + _trigger()]
     current = list(flow_run.get_tags())

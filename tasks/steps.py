@@ -21,9 +21,12 @@ from tasks.bench.report import save_results
 from tasks.bench.results import LevelResult
 from tasks.bench.spec import BenchSpec
 from tasks.checkpoint.rules import ValidationReport, validate_checkpoint, validate_snapshot
+from tasks.deployment.config import DeployConfig
 from tasks.disk import DiskPlan, EvictionResult, check_plan, evict, plan_space
 from tasks.errors import GpuConfigError, ServerStartError, ValidationFailed
 from tasks.findings import Violation
+from tasks.fleet.hosts import FleetHost
+from tasks.fleet.rollout import HostOutcome
 from tasks.gpu import GpuProbe, HardwarePlan, check_hardware, energy_meter, hardware_warnings, probe
 from tasks.history.runs import RunRecord
 from tasks.hub import FetchResult, RepoFile, RepoSnapshot, fetch_file, is_transient, resolve_snapshot
@@ -81,8 +84,8 @@ def resolve_revision(repo_id: str, revision: str, endpoint: str | None = None) -
     cache_policy=NO_CACHE,  # the HF cache is the cache; a progress callback is not hashable anyway
 )
 def fetch(snapshot: RepoSnapshot, file: RepoFile, cache_dir: Path, endpoint: str | None = None,
-          on_bytes: Callable[[int], None] = lambda n: None) -> FetchResult:
-    return fetch_file(snapshot, file, cache_dir, endpoint, on_bytes)
+          on_bytes: Callable[[int], None] = lambda n: None, mirror: str | None = None) -> FetchResult:
+    return fetch_file(snapshot, file, cache_dir, endpoint, on_bytes, mirror)
 
 
 # Validation
@@ -224,3 +227,31 @@ def measure_candidate(key: str, candidate: Candidate, server: ServerConfig, run_
     resumed after an interruption, measures only what it has not measured yet."""
     return measure(candidate, server, run_dir, timeout_s, secret(api_key_secret), answers, model_dir, bench,
                    vocab_size, gpus, report=get_run_logger().info)
+
+
+# The fleet
+@task(name="deploy-on-host", task_run_name="deploy on {host.name}", cache_policy=NO_CACHE)
+def deploy_on_host(host: FleetHost, wave: int, config: DeployConfig) -> HostOutcome:
+    """Run the host's own deploy deployment on its work pool, wait for it, and read what it published.
+
+    The child run is the host's whole deploy (fetch, validation, answer check, sweep, gate, rollback),
+    run by that host's worker; this task only waits. Its failure is an outcome, not this task's.
+    """
+    from prefect.deployments import run_deployment
+    from prefect.exceptions import ObjectNotFound
+
+    name = f"deploy-model/{host.name}"
+    try:
+        run = run_deployment(name, parameters={"config": config.model_dump(mode="json")}, timeout=None,
+                             poll_interval=2, tags=[f"fleet-wave:{wave}"])
+    except ObjectNotFound:
+        return HostOutcome(host, wave, False, f"Failed: no deployment {name}; add the host to deployments/hosts.yaml, "
+                                              "run `rollout deployments` and register them")
+    verdict, record, fetched = artifacts.read_deploy_outcome(str(run.id), config.repo_id)
+    state = run.state
+    serving = bool(state and state.is_completed())
+    sources = {s: sum(r.get("source") == s for r in fetched) for s in ("hub", "mirror", "cache")}
+    get_run_logger().info("%s: %s", host.name, verdict or (state.name if state else "no state"))
+    return HostOutcome(host, wave, serving, verdict or f"Failed: run ended {state.name if state else 'unknown'}",
+                       str(run.id), record, sources,
+                       [f"{r['file']}: {r['mirror_error']}" for r in fetched if r.get("mirror_error")])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 
@@ -39,6 +40,30 @@ def hub_root(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def local_hub(hub_root):
     with FaultyHub(hub_root) as hub:
+        yield hub
+
+
+SHARDED_REPO = "org/sharded"
+SHARD = 2 * 2**20
+BIG = "model-big.safetensors"
+BIG_SIZE = 24 * 2**20
+
+
+@pytest.fixture(scope="session")
+def fetch_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("fetch-hub")
+    repo = root / SHARDED_REPO
+    repo.mkdir(parents=True)
+    (repo / "config.json").write_text(json.dumps({"model_type": "test"}))
+    for i in range(3):
+        (repo / f"model-0000{i + 1}-of-00003.safetensors").write_bytes(os.urandom(SHARD))
+    (repo / BIG).write_bytes(os.urandom(BIG_SIZE))
+    return root
+
+
+@pytest.fixture
+def hub(fetch_root):
+    with FaultyHub(fetch_root) as hub:
         yield hub
 
 

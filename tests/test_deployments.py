@@ -36,10 +36,11 @@ def test_prefect_yaml_registers_the_nightly_and_redeploy_deployments():
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     with get_client(sync_client=True) as client:
-        nightly = client.read_deployment_by_name("nightly-refresh/nightly-refresh")
-        redeploy = client.read_deployment_by_name("deploy-model/redeploy")
+        nightly = client.read_deployment_by_name("nightly-refresh/gpu-box-1")
+        redeploy = client.read_deployment_by_name("deploy-model/gpu-box-1")
         compare = client.read_deployment_by_name("compare-runs/compare")
-        tune = client.read_deployment_by_name("tune-model/tune")
+        tune = client.read_deployment_by_name("tune-model/gpu-box-1")
+        fleet = client.read_deployment_by_name("fleet-rollout/fleet")
     # The tune form: the model as the redeploy's, the candidate space with the 8-GPU Kimi-K2.5 default.
     assert tune.parameters["config"]["deploy"]["repo_id"] == "moonshotai/Kimi-K2.5"
     space = tune.parameter_openapi_schema["definitions"]["TuneSpace"]["properties"]
@@ -48,8 +49,13 @@ def test_prefect_yaml_registers_the_nightly_and_redeploy_deployments():
     assert "fail_on_regression" in compare.parameter_openapi_schema["definitions"]["CompareConfig"]["properties"]
     assert [(s.schedule.cron, s.schedule.timezone) for s in nightly.schedules] == [("0 2 * * *", "Europe/Berlin")]
     assert redeploy.schedules == []
+    # The fleet form: the model and its hosts, the first the canary with its mirror.
+    assert [h["name"] for h in fleet.parameters["config"]["hosts"]] == ["gpu-box-1"]
+    assert fleet.parameters["config"]["hosts"][0]["mirror"] == "http://gpu-box-1:8090"
+    assert "wave_size" in fleet.parameter_openapi_schema["definitions"]["FleetConfig"]["properties"]
     for deployment, strategy in ((nightly, "ENQUEUE"), (redeploy, "CANCEL_NEW")):
         assert deployment.work_pool_name == "gpu-box-1"
+        assert deployment.job_variables == {"env": {"ROLLOUT_HOST": "gpu-box-1"}}
         assert deployment.global_concurrency_limit.limit == 1
         assert deployment.concurrency_options.collision_strategy == strategy
         config = deployment.parameters["config"]

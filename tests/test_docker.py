@@ -28,6 +28,10 @@ def _prefect_yaml() -> dict:
     return yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())
 
 
+def _first_host() -> dict:
+    return yaml.safe_load((ROOT / "deployments" / "hosts.yaml").read_text())["hosts"][0]
+
+
 def _instructions() -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) with continuation lines joined, comments dropped."""
     text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
@@ -45,12 +49,12 @@ def test_the_server_runs_on_postgres_and_the_worker_on_the_deployments_pool_with
     assert services["prefect-server"]["ports"] == ["4200:4200"]
 
     worker = services["worker"]
-    pool = _prefect_yaml()["definitions"]["work_pool"]["name"]
+    pool = _first_host()["name"]
     command = dict(_instructions())["CMD"]
     assert f'"--pool", "{pool}"' in command and '"--type", "process"' in command
     assert f"create {pool} --type process" in " ".join(services["register"]["command"])
     assert re.search(r"http://127.0.0.1:4200/api}?$", worker["environment"]["PREFECT_API_URL"]) and worker["network_mode"] == "host"
-    models_root = _prefect_yaml()["definitions"]["model"]["models_root"]
+    models_root = _first_host()["models_root"]
     assert any(v.endswith(f":{models_root}") for v in worker["volumes"])
     devices = worker["deploy"]["resources"]["reservations"]["devices"]
     assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import json
-import os
 import signal
 import subprocess
 import sys
@@ -18,6 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import BIG, BIG_SIZE, SHARD
+from conftest import SHARDED_REPO as REPO
 from huggingface_hub.errors import HfHubHTTPError, Response
 
 from tasks.errors import ChecksumError, DiskSpaceError, HubError
@@ -32,31 +32,9 @@ from tasks.hub import (
     snapshot_dir,
 )
 from tasks.steps import fetch
-from testkit.faulty_hub import Fault, FaultyHub
+from testkit.faulty_hub import Fault
 
-REPO = "org/sharded"
-SHARD = 2 * 2**20
-BIG = "model-big.safetensors"
-BIG_SIZE = 24 * 2**20
 CHUNK = 10 * 2**20
-
-
-@pytest.fixture(scope="session")
-def fetch_root(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("fetch-hub")
-    repo = root / REPO
-    repo.mkdir(parents=True)
-    (repo / "config.json").write_text(json.dumps({"model_type": "test"}))
-    for i in range(3):
-        (repo / f"model-0000{i + 1}-of-00003.safetensors").write_bytes(os.urandom(SHARD))
-    (repo / BIG).write_bytes(os.urandom(BIG_SIZE))
-    return root
-
-
-@pytest.fixture
-def hub(fetch_root):
-    with FaultyHub(fetch_root) as hub:
-        yield hub
 
 
 def _shard(snap: RepoSnapshot, n: int = 1):

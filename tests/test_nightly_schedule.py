@@ -106,7 +106,7 @@ def test_scheduler_creates_nightly_runs_and_a_worker_completes_one(real_server, 
     with temporary_settings({PREFECT_API_URL: url}), get_client(sync_client=True) as client:
         def scheduled():
             return client.read_flow_runs(
-                deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["nightly-refresh"])),
+                deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["gpu-box-1"])),
                 flow_run_filter=FlowRunFilter(state=FlowRunFilterState(
                     type=FlowRunFilterStateType(any_=[StateType.SCHEDULED]))),
                 sort=FlowRunSort.EXPECTED_START_TIME_ASC)
@@ -143,8 +143,9 @@ def test_scheduler_creates_nightly_runs_and_a_worker_completes_one(real_server, 
         assert f"**No change:** `main` is still commit `{commit}`" in artifacts[0].data
         # The run the scheduler made is findable: named for what it checked, tagged as the nightly.
         ran = client.read_flow_run(run.id)
-        assert ran.name == f"nightly tiny-moe@{commit[:7]} on {socket.gethostname()}"
-        assert {f"model:{BF16_REPO}", "revision:main", "trigger:nightly"} <= set(ran.tags)
+        # The deployment names the host (ROLLOUT_HOST in its job variables), not the machine's hostname.
+        assert ran.name == f"nightly tiny-moe@{commit[:7]} on gpu-box-1"
+        assert {f"model:{BF16_REPO}", "revision:main", "trigger:nightly", "host:gpu-box-1"} <= set(ran.tags)
     # The "no change" path costs one hub call: nothing fetched, nothing started.
     assert all("/resolve/" not in r.path for r in local_hub.requests[asked:])
     assert not config.cache_dir.exists() and not (config.run_dir / "vllm.log").exists()

@@ -19,6 +19,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
+from tasks.mirror import byte_span
+
 LFS_SUFFIXES = (".safetensors", ".bin", ".gguf")
 _API = re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)(?:/revision/(?P<rev>[^/]+))?$")
 _TREE = re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)/tree/(?P<rev>[^/]+)(?:/.*)?$")
@@ -187,16 +189,7 @@ class HubHandler(BaseHTTPRequestHandler):
         self._error(404, "NotFound", f"no route for {path}")
 
     def _span(self, size: int) -> tuple[int, int, int]:
-        """(first byte, last byte, status) of what the Range header asks for; 200 with none."""
-        start, end = 0, size - 1
-        if (rng := self.headers.get("Range")) and (m := re.match(r"bytes=(\d*)-(\d*)$", rng.strip())):
-            if m[1]:
-                start = int(m[1])
-                end = min(int(m[2]), size - 1) if m[2] else size - 1
-            else:  # suffix range: the last N bytes
-                start = max(size - int(m[2]), 0)
-            return start, end, 206
-        return start, end, 200
+        return byte_span(self.headers.get("Range"), size)
 
     def _answered(self, rel: str, start: int, status: int) -> None:
         """Called once per file request with what it got; the tests' hub logs it."""

@@ -22,6 +22,9 @@ class DeployConfig(BaseModel):
     revision: str = Field("main", description="Branch, tag or commit; resolved to a commit sha before download")
     models_root: Path = Field(Path("/models"), description="Filesystem that holds the HF cache (models_root/hub)")
     hub_endpoint: str | None = Field(None, description="Hub URL; empty uses HF_ENDPOINT or huggingface.co")
+    mirror_endpoint: str | None = Field(None, description="A Hub mirror on the local network (another host's "
+                                        "`rollout mirror`) to read files from first; each is held to the Hub's "
+                                        "sha256, and one that fails comes from the Hub")
     hf_token_secret: str | None = Field(None, description="Prefect Secret block with the HF token; empty: HF_TOKEN")
     disk_margin_gb: float = Field(10.0, ge=0, description="Free space to keep beyond the model's size")
     evict: bool = Field(False, description="Delete what the disk plan lists; off is a dry run that only plans")

@@ -8,7 +8,6 @@ report to, and what an engineer sees in the UI is what `rollout history` prints.
 
 from __future__ import annotations
 
-import socket
 from datetime import datetime, timezone
 
 import pandas as pd
@@ -17,6 +16,7 @@ from pydantic import BaseModel
 from tasks.answers.check import AnswerBaseline
 from tasks.bench.results import LevelResult
 from tasks.bench.sweep import knee
+from tasks.host import host_name
 
 # Columns of the comparison table, in print order.
 COLUMNS = ["time", "model", "revision", "single_stream_tok_s", "peak_tok_s", "knee_concurrency", "p99_ttft_ms",
@@ -61,7 +61,7 @@ def run_record(results: list[LevelResult], model: str, revision: str, commit: st
     best = knee(results)
     single = next((r for r in results if r.concurrency == 1), None)
     return RunRecord(
-        model=model, revision=revision, commit=commit, time=datetime.now(timezone.utc), host=socket.gethostname(),
+        model=model, revision=revision, commit=commit, time=datetime.now(timezone.utc), host=host_name(),
         gpu=gpu, vllm_version=vllm_version, parallelism=parallelism,
         single_stream_tok_s=single.output_throughput if single else None,
         peak_tok_s=best.output_throughput if best else None,

@@ -1,0 +1,48 @@
+"""The fleet rollout: one revision onto many GPU hosts, canary first, through each host's own worker.
+
+Prefect is the distributed engine: each host has its work pool and worker, and its deploy
+deployment (generated from deployments/hosts.yaml). This flow only orders them. It pins the
+revision to a commit once, runs the canary's deploy, then the rest in waves, and stops at the first
+host that does not end serving: the hosts after it keep what they serve, and that host's own deploy
+has already brought its last good model back. The hosts after the canary fetch from the canary's
+mirror, so the Hub is read once per rollout.
+"""
+
+# No `from __future__ import annotations`: Prefect builds the parameter form from real annotations.
+from prefect import flow, get_run_logger
+
+from tasks.artifacts import publish_fleet
+from tasks.errors import FleetRolloutFailed
+from tasks.fleet.hosts import FleetConfig
+from tasks.fleet.rollout import HostOutcome, fleet_rows, verdict
+from tasks.run_labels import label_run
+from tasks.steps import deploy_on_host, hub_token, resolve_revision
+
+
+@flow(name="fleet-rollout")
+def fleet_rollout(config: FleetConfig) -> list[HostOutcome]:
+    """Returns each host's outcome; a host that did not end serving fails the run after the artifact."""
+    logger = get_run_logger()
+    deploy = config.deploy
+    label_run(deploy.repo_id, deploy.revision, prefix="fleet ")
+    with hub_token(deploy.hf_token_secret):
+        commit = resolve_revision(deploy.repo_id, deploy.revision, deploy.hub_endpoint).commit
+    label_run(deploy.repo_id, deploy.revision, commit, prefix="fleet ")
+    canary = config.hosts[0]
+    if len(config.hosts) > 1 and not canary.mirror:
+        logger.warning("the canary %s has no mirror: every host reads the Hub", canary.name)
+    outcomes: list[HostOutcome] = []
+    for wave, hosts in enumerate(config.waves(), start=1):
+        mirror = canary.mirror if wave > 1 else None
+        logger.info("wave %d: %s", wave, ", ".join(h.name for h in hosts))
+        futures = [deploy_on_host.submit(host, wave, config.host_config(host, commit, mirror)) for host in hosts]
+        outcomes += [future.result() for future in futures]
+        if not all(o.serving for o in outcomes):
+            break
+    said = verdict(deploy.repo_id, commit, config.hosts, outcomes)
+    publish_fleet(deploy.repo_id, commit, said, fleet_rows(outcomes, config.hosts, config.outlier_slowdown),
+                  canary.mirror if len(config.hosts) > 1 else None)
+    logger.info(said)
+    if not all(o.serving for o in outcomes):
+        raise FleetRolloutFailed(said)
+    return outcomes

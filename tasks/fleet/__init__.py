@@ -1,0 +1,1 @@
+"""A fleet of GPU hosts: their list (deployments/hosts.yaml), and a rollout over them, canary first."""

@@ -1,0 +1,89 @@
+"""What each host of a rollout ended with, and the fleet's table: one row per host, outliers flagged.
+
+A host's outcome is read back from its deploy run (its state, its summary's verdict, its history
+record and its fetch table), so the fleet reports exactly what each host's own run page says.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from tasks.fleet.hosts import FleetHost
+from tasks.history.runs import RunRecord
+
+
+@dataclass
+class HostOutcome:
+    host: FleetHost
+    wave: int
+    serving: bool  # the run completed: the new revision serves on this host
+    verdict: str  # the first line of its deploy summary ("Serving: ...", "Rolled back: ...")
+    flow_run_id: str | None = None
+    record: RunRecord | None = None
+    fetched: dict[str, int] = field(default_factory=dict)  # files by where they came from: hub, mirror, cache
+    mirror_failures: list[str] = field(default_factory=list)  # "file: why" for each file the mirror failed
+
+    @property
+    def status(self) -> str:
+        return "serving" if self.serving else self.verdict.split(":")[0].lower() or "failed"
+
+
+def outliers(outcomes: list[HostOutcome], slowdown: float) -> dict[str, str]:
+    """Hosts whose peak (or single stream) is `slowdown` below the median of the hosts that ran the
+    same model with the same parallelism on the same GPU type: host name -> why."""
+    groups: dict[tuple, list[HostOutcome]] = {}
+    for o in outcomes:
+        if o.serving and o.record is not None:
+            key = (o.record.model, o.record.parallelism, o.host.gpu_type or o.record.gpu)
+            groups.setdefault(key, []).append(o)
+    flagged = {}
+    for (_, _, gpu), members in groups.items():
+        if len(members) < 2:
+            continue
+        for figure, label in (("peak_tok_s", "peak"), ("single_stream_tok_s", "single stream")):
+            values = [getattr(m.record, figure) for m in members if getattr(m.record, figure)]
+            if len(values) < 2:
+                continue
+            median = statistics.median(values)
+            for m in members:
+                value = getattr(m.record, figure)
+                if value and value < (1 - slowdown) * median and m.host.name not in flagged:
+                    flagged[m.host.name] = (f"outlier: {label} {value:,.1f} tok/s is {1 - value / median:.0%} below "
+                                            f"the median of the {len(members)} {gpu} hosts ({median:,.1f})")
+    return flagged
+
+
+def verdict(repo_id: str, commit: str, hosts: list[FleetHost], outcomes: list[HostOutcome]) -> str:
+    """The rollout in one line, the fleet artifact's first."""
+    what = f"{repo_id}@{commit[:12]}"
+    done = {o.host.name for o in outcomes}
+    untouched = [h.name for h in hosts if h.name not in done]
+    failed = [o for o in outcomes if not o.serving]
+    if not failed:
+        return f"Rolled out: {what} serves on all {len(outcomes)} hosts"
+    where = "; ".join(f"{o.host.name} in wave {o.wave}{' (the canary)' if o.wave == 1 else ''}: {o.verdict}"
+                      for o in failed)
+    left = f"; untouched, serving what they served: {', '.join(untouched)}" if untouched else ""
+    return f"Stopped: {what} failed on {where}{left}"
+
+
+def fleet_rows(outcomes: list[HostOutcome], hosts: list[FleetHost], slowdown: float) -> list[dict]:
+    """One row per host, those the rollout never reached included (wave and status say so)."""
+    flags = outliers(outcomes, slowdown)
+    by_name = {o.host.name: o for o in outcomes}
+    rows = []
+    for host in hosts:
+        o = by_name.get(host.name)
+        r = o.record if o else None
+        rows.append({
+            "host": host.name, "wave": o.wave if o else None, "flow_run_id": o.flow_run_id if o else None,
+            "status": o.status if o else "untouched",
+            "single stream tok/s": r.single_stream_tok_s if r else None, "peak tok/s": r.peak_tok_s if r else None,
+            "vs its last good": (r.compared or "first deployment") if r else "",
+            "fetched from": ", ".join(f"{s} {n}" for s, n in o.fetched.items() if n) if o else "",
+            "mirror failures": len(o.mirror_failures) if o else 0,
+            "outlier": flags.get(host.name, ""),
+            "failures": o.mirror_failures if o else [],
+        })
+    return rows
