@@ -9,6 +9,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
 import json  # noqa: E402
+import logging  # noqa: E402
 import re  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
@@ -56,6 +57,35 @@ def _from_options(group: Group, options: dict, **fields):
 def _exit_on_sigterm() -> None:
     """SIGTERM unwinds like Ctrl-C, so the flow's finally stops vLLM instead of orphaning it."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    _one_line_failures()
+
+
+class _NoRolloutTraceback(logging.Formatter):
+    """The console's formatter, less the traceback of a RolloutError: Prefect logs a failed flow's
+    exception with its traceback, and a failed check (a canary that failed validation) is no crash.
+    Only the console's: the run's logs in the UI keep it, and any other exception keeps it too."""
+
+    def __init__(self, inner: logging.Formatter):
+        super().__init__()
+        self.inner = inner
+
+    def format(self, record: logging.LogRecord) -> str:
+        if not (record.exc_info and isinstance(record.exc_info[1], RolloutError)):
+            return self.inner.format(record)
+        saved = record.exc_info, record.exc_text
+        record.exc_info, record.exc_text = None, None
+        try:
+            return self.inner.format(record)
+        finally:
+            record.exc_info, record.exc_text = saved
+
+
+def _one_line_failures() -> None:
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, PrefectConsoleHandler) and not isinstance(handler.formatter, _NoRolloutTraceback):
+            handler.setFormatter(_NoRolloutTraceback(handler.formatter or logging.Formatter()))
 
 
 def _fail(exc: BaseException) -> None:

@@ -8,16 +8,11 @@ and a broken Prefect/SQLAlchemy pair fails there, every minute, while every othe
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
-import sys
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 from zoneinfo import ZoneInfo
 
-import httpx
 import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
@@ -37,61 +32,15 @@ from prefect.states import Scheduled
 from flows.demo import BF16_REPO, demo_config
 from tasks.history.last_good import LastGood, write_last_good
 from tasks.hub import resolve_snapshot
+from testkit.prefect_processes import BIN, prefect_server, prefect_worker, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait(condition, timeout_s: float, what: str, log: Path | None = None):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := condition():
-            return value
-        time.sleep(1)
-    tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:]) if log and log.exists() else ""
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}\n{tail}")
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def _stop(process: subprocess.Popen) -> None:
-    """SIGTERM to the group, SIGKILL if it is still there after a grace (a worker may wait on runs)."""
-    os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=30)
 
 
 @pytest.fixture
 def real_server(tmp_path):
-    """`prefect server start` on SQLite in its own PREFECT_HOME, every service on."""
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}/api"
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "DO_NOT_TRACK": "1", "PREFECT_UI_ENABLED": "false"}
-    env.pop("PREFECT_API_URL", None)
-    log = tmp_path / "server.log"
-    server = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                              env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        _wait(lambda: server.poll() is not None or _healthy(url), 180, "prefect server start", log)
-        assert server.poll() is None, log.read_text()
+    with prefect_server(tmp_path) as (url, log):
         yield url, log
-    finally:
-        _stop(server)
 
 
 def test_scheduler_creates_nightly_runs_and_a_worker_completes_one(real_server, local_hub, tmp_path):
@@ -111,7 +60,7 @@ def test_scheduler_creates_nightly_runs_and_a_worker_completes_one(real_server, 
                     type=FlowRunFilterStateType(any_=[StateType.SCHEDULED]))),
                 sort=FlowRunSort.EXPECTED_START_TIME_ASC)
 
-        runs = _wait(scheduled, 120, "the scheduler to create nightly runs", server_log)
+        runs = wait_for(scheduled, 120, "the scheduler to create nightly runs", server_log)
         assert "bulk DML" not in server_log.read_text()
         berlin = [r.expected_start_time.astimezone(ZoneInfo("Europe/Berlin")) for r in runs]
         assert all((t.hour, t.minute) == (2, 0) for t in berlin), berlin
@@ -128,14 +77,9 @@ def test_scheduler_creates_nightly_runs_and_a_worker_completes_one(real_server, 
         asked = len(local_hub.requests)
 
         worker_log = tmp_path / "worker.log"
-        worker = subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", "gpu-box-1", "--type", "process"],
-                                  cwd=tmp_path, env={**env, "PREFECT_WORKER_QUERY_SECONDS": "1"},
-                                  stdout=worker_log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            final = _wait(lambda: (s := client.read_flow_run(run.id).state).is_final() and s, 180,
-                          "the worker to run the nightly", worker_log)
-        finally:
-            _stop(worker)
+        with prefect_worker("gpu-box-1", env, tmp_path, worker_log):
+            final = wait_for(lambda: (s := client.read_flow_run(run.id).state).is_final() and s, 180,
+                             "the worker to run the nightly", worker_log)
         assert final.is_completed(), (final, worker_log.read_text()[-3000:])
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
             flow_run_id=ArtifactFilterFlowRunId(any_=[run.id])))

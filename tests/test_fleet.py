@@ -1,0 +1,177 @@
+"""A fleet rollout as production runs it: a real `prefect server start`, three "hosts" (each its own
+process work pool and worker, models root and port), the deployments rendered from a hosts file,
+`rollout fleet` from a shell, and real vLLM CPU servers.
+
+One test, three rollouts, in the order a fleet lives them (each needs the hosts the one before left):
+1. revision A everywhere: the canary from the Hub, the wave of two from the canary's mirror, one
+   flipped byte from the mirror caught by the hash;
+2. a revision that fails validation: the canary stops it, the other two are never touched;
+3. a good revision that one host of the second wave cannot start: it rolls itself back to A.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+
+import httpx
+import yaml
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import WorkPoolCreate
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterKey,
+    DeploymentFilter,
+    DeploymentFilterName,
+    FlowFilter,
+    FlowFilterName,
+)
+from prefect.client.schemas.sorting import ArtifactSort
+from prefect.settings import PREFECT_API_URL, temporary_settings
+
+from flows.demo import BF16_REPO, demo_config
+from tasks.artifacts import model_slug
+from tasks.history.last_good import read_last_good
+from tasks.hub import resolve_snapshot
+from tasks.vllm.process import reap_stale
+from testkit.faulty_mirror import FaultyMirror
+from testkit.prefect_processes import BIN, free_port, prefect_server, prefect_worker
+
+ROOT = Path(__file__).resolve().parents[1]
+HOSTS = ("host-a", "host-b", "host-c")
+# The sweep is not what this test is about: two short levels, and no gate (three servers share two cores).
+QUICK = dict(concurrency_levels=[1, 2], level_duration_s=1.5, keep_serving=True, max_regression=None)
+
+
+def _serves(port: int, model: str) -> bool:
+    try:
+        listed = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).json()
+    except (httpx.HTTPError, ValueError):
+        return False
+    return [m["id"] for m in listed.get("data", [])] == [model]
+
+
+def _deploy_runs(client, host: str) -> list:
+    return client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["deploy-model"])),
+                                 deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=[host])))
+
+
+def _fleet_artifact(client, repo_id: str) -> str:
+    found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[f"fleet-{model_slug(repo_id)}"])),
+                                  sort=ArtifactSort.CREATED_DESC, limit=1)
+    return found[0].data
+
+
+def _host_rows(markdown: str) -> dict[str, str]:
+    return {line.split("|")[1].strip(): line for line in markdown.splitlines() if line.startswith("| host-")}
+
+
+def _full_gets(hub, path: str, since: int) -> int:
+    return sum(r.method == "GET" and r.path == path and r.range_start == 0 and r.status == 200
+               for r in hub.requests[since:])
+
+
+def test_a_fleet_rolls_out_canary_first_reads_the_hub_once_and_stops_at_a_failed_host(hub_root, local_hub, tmp_path):
+    repo_id = f"demo/tiny-moe-fleet-{uuid.uuid4().hex[:6]}"
+    repo = hub_root / repo_id
+    shutil.copytree(hub_root / BF16_REPO, repo)
+    local_hub.refresh()
+    commit_a = resolve_snapshot(repo_id, "main", local_hub.endpoint).commit
+    roots = {h: tmp_path / h for h in HOSTS}
+    ports = {h: free_port() for h in HOSTS}
+    model = demo_config(local_hub.endpoint, tmp_path, repo_id=repo_id, **QUICK).model_dump(mode="json")
+
+    with prefect_server(tmp_path) as (url, server_log), FaultyMirror(roots["host-a"] / "hub") as mirror, \
+            temporary_settings({PREFECT_API_URL: url}), get_client(sync_client=True) as client:
+        hosts_file = tmp_path / "hosts.yaml"
+
+        def write_hosts(**host_c) -> None:
+            hosts = [{"name": h, "models_root": str(roots[h]), "port": ports[h], "gpu_type": "cpu",
+                      **({"mirror": mirror.endpoint} if h == "host-a" else {}), **(host_c if h == "host-c" else {})}
+                     for h in HOSTS]
+            hosts_file.write_text(yaml.safe_dump({"model": model, "hosts": hosts, "wave_size": 2}))
+
+        env = {**os.environ, "PREFECT_API_URL": url, "ROLLOUT_HOME": str(ROOT)}
+
+        def rollout(*args: str) -> subprocess.CompletedProcess:
+            return subprocess.run([str(BIN / "rollout"), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                                  timeout=1200)
+
+        # The deployments: rendered from the hosts file, registered, one worker per host's pool.
+        write_hosts()
+        rendered = rollout("deployments", "--hosts", str(hosts_file), "--out", str(tmp_path / "prefect.yaml"))
+        assert rendered.returncode == 0, rendered.stderr
+        for host in HOSTS:
+            client.create_work_pool(WorkPoolCreate(name=host, type="process"))
+        registered = subprocess.run([str(BIN / "prefect"), "--no-prompt", "deploy", "--all", "--prefect-file",
+                                     str(tmp_path / "prefect.yaml")], cwd=ROOT, env=env, capture_output=True,
+                                    text=True, timeout=300)
+        assert registered.returncode == 0, registered.stdout + registered.stderr
+        with contextlib.ExitStack() as running:
+            for host in HOSTS:
+                running.enter_context(prefect_worker(host, env, tmp_path, tmp_path / f"worker-{host}.log",
+                                                     poll_s=5))
+                running.callback(reap_stale, roots[host] / ".rollout" / "server.json")
+            # 1. Revision A, everywhere. One byte of one file comes from the mirror flipped.
+            asked = len(local_hub.requests)
+            mirror.corrupt_once("tokenizer.json")
+            first = rollout("fleet", "--hosts", str(hosts_file))
+            logs = "\n".join((tmp_path / f"worker-{h}.log").read_text()[-3000:] for h in HOSTS)
+            assert first.returncode == 0, first.stdout + first.stderr + logs
+            assert all(_serves(ports[h], repo_id) for h in HOSTS)
+            assert all(read_last_good(roots[h] / ".rollout").commit == commit_a for h in HOSTS)
+            canary, = _deploy_runs(client, "host-a")
+            wave = [run for h in HOSTS[1:] for run in _deploy_runs(client, h)]
+            assert len(wave) == 2 and all(run.start_time > canary.end_time for run in wave)  # canary first
+            assert {run.name for run in [canary, *wave]} == {f"{repo_id.split('/')[1]}@{commit_a[:7]} on {h}"
+                                                             for h in HOSTS}  # each named for its host
+            # The Hub sent every weight file once, to the canary; the wave read them from its mirror.
+            assert _full_gets(local_hub, "model.safetensors", asked) == 1
+            assert mirror.served.count("model.safetensors") == 2
+            # The flipped byte cost one file one more fetch from the Hub, verified.
+            assert _full_gets(local_hub, "tokenizer.json", asked) == 2
+            shipped = (repo / "tokenizer.json").read_bytes()
+            assert all((roots[h] / "hub").rglob("tokenizer.json") and
+                       next((roots[h] / "hub").rglob("tokenizer.json")).read_bytes() == shipped for h in HOSTS)
+            fleet = _fleet_artifact(client, repo_id)
+            assert fleet.startswith(f"# Rolled out: {repo_id}@{commit_a[:12]} serves on all 3 hosts")
+            rows = _host_rows(fleet)
+            assert list(rows) == list(HOSTS) and all("serving" in row for row in rows.values())
+            assert "**Mirror failures (1)**" in fleet and "tokenizer.json: ChecksumError" in fleet
+            assert "mirror 6" in rows["host-b"] + rows["host-c"]  # all six files of one wave host: the mirror
+
+            # 2. A revision that fails validation: the canary stops it before anything is stopped.
+            config = json.loads((repo / "config.json").read_text())
+            (repo / "config.json").write_text(json.dumps({**config, "num_hidden_layers": config["num_hidden_layers"] + 1}))
+            local_hub.refresh()
+            before = {h: len(_deploy_runs(client, h)) for h in HOSTS}
+            bad = rollout("fleet", "--hosts", str(hosts_file))
+            assert bad.returncode == 1 and "Traceback" not in bad.stderr, bad.stderr
+            assert bad.stderr.strip().splitlines()[-1].startswith("error: Stopped: ")
+            assert "failed on host-a in wave 1 (the canary)" in bad.stderr
+            assert "untouched, serving what they served: host-b, host-c" in bad.stderr
+            assert {h: len(_deploy_runs(client, h)) for h in HOSTS} == {**before, "host-a": before["host-a"] + 1}
+            assert all(_serves(ports[h], repo_id) and read_last_good(roots[h] / ".rollout").commit == commit_a
+                       for h in HOSTS)
+            rows = _host_rows(_fleet_artifact(client, repo_id))
+            assert "untouched" in rows["host-b"] and "untouched" in rows["host-c"]
+
+            # 3. A good revision (same weights, a new commit) that host-c cannot start.
+            (repo / "config.json").write_text(json.dumps(config))
+            (repo / "README.md").write_text("Re-published, weights unchanged.\n")
+            local_hub.refresh()
+            commit_c = resolve_snapshot(repo_id, "main", local_hub.endpoint).commit
+            write_hosts(vllm={"max_model_len": 100_000})  # beyond the model's 2,048 positions
+            failed = rollout("fleet", "--hosts", str(hosts_file))
+            assert failed.returncode == 1, failed.stdout + failed.stderr
+            assert "failed on host-c in wave 2: Rolled back: " in failed.stderr
+            fleet = _fleet_artifact(client, repo_id)
+            assert fleet.startswith(f"# Stopped: {repo_id}@{commit_c[:12]} failed on host-c in wave 2")
+            assert [read_last_good(roots[h] / ".rollout").commit for h in HOSTS] == [commit_c, commit_c, commit_a]
+            assert all(_serves(ports[h], repo_id) for h in HOSTS)  # host-c serves its last good model again
+    assert "bulk DML" not in server_log.read_text()

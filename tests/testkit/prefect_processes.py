@@ -1,0 +1,86 @@
+"""A real `prefect server start` and real `prefect worker`s, as production runs them: for the tests
+where the scheduler or a worker is what is being tested (the nightly's schedule, the fleet)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(condition, timeout_s: float, what: str, log: Path | None = None):
+    """condition()'s first truthy value; a timeout names what it waited for, with the log's tail."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := condition():
+            return value
+        time.sleep(1)
+    tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:]) if log and log.exists() else ""
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}\n{tail}")
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def stop(process: subprocess.Popen) -> None:
+    """SIGTERM to the group, SIGKILL if it is still there after a grace (a worker may wait on runs)."""
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def prefect_server(home: Path) -> Iterator[tuple[str, Path]]:
+    """`prefect server start` on SQLite in its own PREFECT_HOME, every service on: (API URL, log)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    env = {**os.environ, "PREFECT_HOME": str(home / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "DO_NOT_TRACK": "1", "PREFECT_UI_ENABLED": "false"}
+    env.pop("PREFECT_API_URL", None)
+    log = home / "server.log"
+    server = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                              env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(lambda: server.poll() is not None or healthy(url), 180, "prefect server start", log)
+        assert server.poll() is None, log.read_text()
+        yield url, log
+    finally:
+        stop(server)
+
+
+@contextlib.contextmanager
+def prefect_worker(pool: str, env: dict[str, str], cwd: Path, log: Path, poll_s: int = 1
+                   ) -> Iterator[subprocess.Popen]:
+    """A process worker polling `pool` every `poll_s` seconds. Each poll writes to the server's
+    database: three workers polling every second kept SQLite locked, and an artifact's write then
+    waited a minute."""
+    worker = subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", pool, "--type", "process"],
+                              cwd=cwd, env={**env, "PREFECT_WORKER_QUERY_SECONDS": str(poll_s)}, stdout=log.open("wb"),
+                              stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield worker
+    finally:
+        stop(worker)
