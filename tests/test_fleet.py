@@ -62,8 +62,8 @@ def _deploy_runs(client, host: str) -> list:
 
 
 def _fleet_artifact(client, repo_id: str) -> str:
-    found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[f"fleet-{model_slug(repo_id)}"])),
-                                  sort=ArtifactSort.CREATED_DESC, limit=1)
+    key = ArtifactFilterKey(any_=[f"fleet-{model_slug(repo_id)}"])
+    found = client.read_artifacts(artifact_filter=ArtifactFilter(key=key), sort=ArtifactSort.CREATED_DESC, limit=1)
     return found[0].data
 
 
@@ -147,7 +147,8 @@ def test_a_fleet_rolls_out_canary_first_reads_the_hub_once_and_stops_at_a_failed
 
             # 2. A revision that fails validation: the canary stops it before anything is stopped.
             config = json.loads((repo / "config.json").read_text())
-            (repo / "config.json").write_text(json.dumps({**config, "num_hidden_layers": config["num_hidden_layers"] + 1}))
+            layers = config["num_hidden_layers"]
+            (repo / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers + 1}))
             local_hub.refresh()
             before = {h: len(_deploy_runs(client, h)) for h in HOSTS}
             bad = rollout("fleet", "--hosts", str(hosts_file))
