@@ -4,7 +4,9 @@ A local hub look-alike in its own process serves a generated repo (8 shards, 3 G
 Three passes over the same bytes, page cache warm for all three:
   1. raw: 8 parallel plain GETs that discard the body (the loopback + server ceiling);
   2. ours: tasks.hub.fetch_file on 8 threads (what the fetch tasks run), sha256 verified in flight;
-  3. `hf download --max-workers 8` (huggingface_hub's CLI) into its own cache: size checks only.
+  3. `hf download --max-workers 8` (huggingface_hub's CLI) into its own cache: size checks only;
+  4. ours again, from the first pass's cache served by `rollout mirror` in its own process (what
+     the hosts after a fleet's canary do), every file still held to the Hub's hash.
 Each download goes to a fresh cache that is deleted afterwards.
 
     .venv/bin/python benchmarks/fetch.py [TOTAL_GB]
@@ -55,14 +57,39 @@ def raw_read(endpoint: str, commit: str, paths: list[str]) -> float:
     return time.perf_counter() - start
 
 
-def ours(endpoint: str, cache: Path) -> float:
+def ours(endpoint: str, cache: Path, mirror: str | None = None) -> float:
     start = time.perf_counter()
     snap = resolve_snapshot(REPO, "main", endpoint)
     with ThreadPoolExecutor(WORKERS) as pool:
-        results = list(pool.map(lambda f: fetch_file(snap, f, cache, endpoint), snap.files))
+        results = list(pool.map(lambda f: fetch_file(snap, f, cache, endpoint, mirror=mirror), snap.files))
     elapsed = time.perf_counter() - start
     assert sum(r.downloaded for r in results) == snap.total_bytes
+    assert all(r.source == ("mirror" if mirror else "hub") for r in results)
     assert all((snapshot_dir(snap, cache) / f.path).exists() for f in snap.files)
+    return elapsed
+
+
+def from_mirror(endpoint: str, tmp: Path) -> float:
+    """The first pass's cache served by `rollout mirror` in its own process, fetched into a new one."""
+    port = 18000 + os.getpid() % 1000
+    mirror = subprocess.Popen([sys.executable, "-m", "flows.cli", "mirror", "--models-root", str(tmp / "ours"),
+                               "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(f"{url}/health").raise_for_status()
+                break
+            except httpx.HTTPError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        elapsed = ours(endpoint, tmp / "mirrored" / "hub", mirror=url)
+    finally:
+        mirror.terminate()
+        mirror.wait()
+    shutil.rmtree(tmp / "mirrored")
     return elapsed
 
 
@@ -87,7 +114,8 @@ def main() -> None:
             snap = resolve_snapshot(REPO, "main", endpoint)  # the server hashes the repo once, here
             size = snap.total_bytes
             raw_s = raw_read(endpoint, snap.commit, [f.path for f in snap.files])
-            ours_s = ours(endpoint, Path(tmp) / "ours")
+            ours_s = ours(endpoint, Path(tmp) / "ours" / "hub")
+            mirror_s = from_mirror(endpoint, Path(tmp))
             shutil.rmtree(Path(tmp) / "ours")
             hf_s = hf_download(endpoint, Path(tmp) / "hf")
             shutil.rmtree(Path(tmp) / "hf")
@@ -102,6 +130,8 @@ def main() -> None:
     print(f"repo: {len(snap.files)} files, {size / 1e9:.2f} GB, {WORKERS} parallel streams, loopback")
     print(f"raw loopback read : {raw_s:6.2f} s  {mb / raw_s:7.1f} MB/s")
     print(f"ours (sha256)     : {ours_s:6.2f} s  {mb / ours_s:7.1f} MB/s  = {100 * raw_s / ours_s:.0f}% of raw")
+    print(f"ours from a mirror: {mirror_s:6.2f} s  {mb / mirror_s:7.1f} MB/s  = {ours_s / mirror_s:.2f}x the Hub's "
+          "rate (rollout mirror serving the first pass's cache)")
     print(f"hf download       : {hf_s:6.2f} s  {mb / hf_s:7.1f} MB/s  (of which CLI start-up ~{startup_s:.2f} s)")
     print(f"ratio ours / hf download wall time: {ours_s / hf_s:.2f} "
           f"({ours_s / max(hf_s - startup_s, 1e-9):.2f} with hf's start-up taken out)")

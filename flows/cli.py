@@ -35,8 +35,9 @@ RepoId = Annotated[str, typer.Argument(help="Hub repo, e.g. moonshotai/Kimi-K2.5
 
 # The run form, the engine and the load, each field an option (flows/options.py); the engine's
 # defaults are the form's (expert parallelism on), not VllmSettings' own.
-STAGE = Group(DeployConfig, "Staging", only=("revision", "models_root", "hub_endpoint", "mirror_endpoint", "hf_token_secret", "disk_margin_gb",
-                                  "evict", "pinned_models", "max_parallel_downloads"))
+STAGE = Group(DeployConfig, "Staging", only=("revision", "models_root", "hub_endpoint", "mirror_endpoint",
+                                             "hf_token_secret", "disk_margin_gb", "evict", "pinned_models",
+                                             "max_parallel_downloads"))
 FORM = Group(DeployConfig, "Deployment", skip=("repo_id", "vllm", "bench"))
 ENGINE = Group(VllmSettings, "vLLM engine", defaults=DeployConfig.model_fields["vllm"].get_default(call_default_factory=True))
 LOAD = Group(BenchSpec, "Benchmark")

@@ -51,6 +51,7 @@ from tasks.steps import (
     evict_models,
     fetch,
     hub_token,
+    join_on_host,
     plan_disk,
     probe_gpus,
     publish_record,
@@ -182,10 +183,16 @@ def _deploy(config: DeployConfig, summary: DeploySummary) -> DeployResult:
         summary.last_good = comparable(previous or read_last_good(config.run_dir), config.repo_id)
         if previous is not None:  # from here a failure restores it
             stop_serving(config.run_dir, summary.serving_before)
+            _group(_left_behind(previous, config), "leave")
             summary.previous_stopped = True
         try:
+            _group(config.group_members(), "join")  # the leader waits for every rank at start-up
             handle, record, rows, stop = _serve_and_bench(config, prepared, gpu, server, summary)
         except Exception as err:
+            try:
+                _group(config.group_members(), "leave")
+            except Exception as left:  # a node that cannot leave must not keep the last good one down
+                logger.warning("the new group's secondary nodes did not all stop: %s", first_line(left))
             if previous is not None:
                 _restore(previous, config.run_dir, config.startup_timeout_s, err, config.repo_id, summary)
             raise
@@ -248,13 +255,38 @@ def _serve_and_bench(config: DeployConfig, prepared: PreparedModel, gpu: GpuProb
     return handle, record, rows, summary.stop
 
 
+def _group(members: list[tuple[str, DeployConfig]], action: str) -> None:
+    """Each secondary node joins (or leaves) through its own host's worker, all at once; the first
+    that fails raises, after the others have ended."""
+    if not members:
+        return
+    with ThreadPoolTaskRunner(max_workers=len(members)) as runner:
+        futures = [runner.submit(join_on_host, {"host": host, "config": c, "action": action}) for host, c in members]
+        wait(futures)
+        for future in futures:
+            future.result()
+
+
+def _recorded_group(last: LastGood) -> list[tuple[str, DeployConfig]]:
+    return [(g["host"], DeployConfig.model_validate(g["config"])) for g in last.group]
+
+
+def _left_behind(previous: LastGood, config: DeployConfig) -> list[tuple[str, DeployConfig]]:
+    """The previous group's secondary nodes that the new deployment does not take over: their
+    ranks would otherwise wait for a leader that is gone."""
+    taken = {f.host for f in config.followers}
+    return [(host, c) for host, c in _recorded_group(previous) if host not in taken]
+
+
 def _restore(previous: LastGood, run_dir: Path, startup_timeout_s: float, reason: BaseException, repo_id: str,
              summary: DeploySummary) -> None:
-    """Start the last good deployment again and say why in an artifact; the new deploy's error stands."""
+    """Start the last good deployment again, its secondary nodes first, and say why in an artifact;
+    the new deploy's error stands."""
     logger = get_run_logger()
     what = f"{previous.repo_id}@{previous.commit[:12]}"
     logger.warning("new deployment failed (%s); restarting the last good one, %s", first_line(reason), what)
     try:
+        _group(_recorded_group(previous), "join")
         handle, _ = start_vllm.with_options(task_run_name="restart last good")(
             previous.server, run_dir, startup_timeout_s, previous.api_key_secret, repo_id, "-rollback")
     except Exception as err:

@@ -130,23 +130,30 @@ class HardwarePlan:
     expert_parallel: bool = False
     routed_expert_bytes: int = 0  # of weights_bytes; the validation summary's "routed expert" rows
     fp8_kv_on_sm12x: bool | None = None  # whether the installed vLLM's MLA backend there takes FP8 KV
+    nodes: int = 1  # hosts the layout spans (a multi-node group); each holds an equal share of the ranks
+
+    @property
+    def ranks(self) -> int:
+        return self.tensor_parallel_size * self.data_parallel_size
 
     @property
     def gpus_needed(self) -> int:
-        return self.tensor_parallel_size * self.data_parallel_size
+        """This host's share of the ranks."""
+        return -(-self.ranks // self.nodes)
 
     @property
     def weights_per_gpu(self) -> float:
         """Routed experts are divided over every EP rank (TP x DP) with EP, else over TP; everything
         else is divided over TP and copied on every DP rank."""
         others = self.weights_bytes - self.routed_expert_bytes
-        expert_ranks = self.gpus_needed if self.expert_parallel else self.tensor_parallel_size
+        expert_ranks = self.ranks if self.expert_parallel else self.tensor_parallel_size
         return others / self.tensor_parallel_size + self.routed_expert_bytes / expert_ranks
 
     @property
     def layout(self) -> str:
         dp = f" x DP={self.data_parallel_size}" if self.data_parallel_size > 1 else ""
-        return f"TP={self.tensor_parallel_size}{dp}{' + EP' if self.expert_parallel else ''}"
+        nodes = f" over {self.nodes} nodes" if self.nodes > 1 else ""
+        return f"TP={self.tensor_parallel_size}{dp}{' + EP' if self.expert_parallel else ''}{nodes}"
 
 
 def check_hardware(gpu: GpuProbe, plan: HardwarePlan) -> list[Violation]:
@@ -156,7 +163,7 @@ def check_hardware(gpu: GpuProbe, plan: HardwarePlan) -> list[Violation]:
     found = []
     if plan.gpus_needed > len(gpu.gpus):
         found.append(Violation(rule="tp-exceeds-gpus", module="tensor_parallel_size",
-                               message=f"{plan.layout} needs {plan.gpus_needed} GPUs but this host has "
+                               message=f"{plan.layout} needs {plan.gpus_needed} GPUs per host but this host has "
                                        f"{len(gpu.gpus)}"))
     sm12 = [g for g in gpu.gpus if g.compute_capability[0] == 12]
     if plan.kv_cache_fp8 and sm12 and not plan.fp8_kv_on_sm12x:

@@ -255,3 +255,25 @@ def deploy_on_host(host: FleetHost, wave: int, config: DeployConfig) -> HostOutc
     return HostOutcome(host, wave, serving, verdict or f"Failed: run ended {state.name if state else 'unknown'}",
                        str(run.id), record, sources,
                        [f"{r['file']}: {r['mirror_error']}" for r in fetched if r.get("mirror_error")])
+
+
+# A multi-node group
+@task(name="join-on-host", task_run_name="{action} on {host}", cache_policy=NO_CACHE)
+def join_on_host(host: str, config: DeployConfig, action: str = "join") -> None:
+    """Run the host's `join-group/<host>` deployment on its worker and wait for it: "join" starts
+    vLLM headless there as its rank (fetching the model first), "leave" stops it."""
+    from prefect.deployments import run_deployment
+    from prefect.exceptions import ObjectNotFound
+
+    name = f"join-group/{host}"
+    try:
+        run = run_deployment(name, parameters={"config": config.model_dump(mode="json"), "leave": action == "leave"},
+                             timeout=None, poll_interval=2)
+    except ObjectNotFound as exc:
+        raise ServerStartError(f"secondary node {host}: no deployment {name}; add the host to "
+                               "deployments/hosts.yaml, run `rollout deployments` and register them",
+                               "group-incomplete", "") from exc
+    if not (run.state and run.state.is_completed()):
+        raise ServerStartError(f"secondary node {host} did not {action} the group: its run {run.name} ended "
+                               f"{run.state.name if run.state else 'without a state'}: "
+                               f"{(run.state.message or '') if run.state else ''}"[:400], "group-incomplete", "")

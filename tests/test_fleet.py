@@ -6,7 +6,8 @@ One test, three rollouts, in the order a fleet lives them (each needs the hosts 
 1. revision A everywhere: the canary from the Hub, the wave of two from the canary's mirror, one
    flipped byte from the mirror caught by the hash;
 2. a revision that fails validation: the canary stops it, the other two are never touched;
-3. a good revision that one host of the second wave cannot start: it rolls itself back to A.
+3. a good revision that one host of the second wave cannot start: it rolls itself back to A;
+4. a model larger than one box: host-a leads a group over two nodes, host-b its headless node.
 """
 
 from __future__ import annotations
@@ -32,10 +33,13 @@ from prefect.client.schemas.filters import (
     FlowFilterName,
 )
 from prefect.client.schemas.sorting import ArtifactSort
+from prefect.deployments import run_deployment
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from flows.demo import BF16_REPO, demo_config
 from tasks.artifacts import model_slug
+from tasks.deployment.config import DeployConfig, Follower
+from tasks.fleet.hosts import HostsFile
 from tasks.history.last_good import read_last_good
 from tasks.hub import resolve_snapshot
 from tasks.vllm.process import reap_stale
@@ -175,4 +179,24 @@ def test_a_fleet_rolls_out_canary_first_reads_the_hub_once_and_stops_at_a_failed
             assert fleet.startswith(f"# Stopped: {repo_id}@{commit_c[:12]} failed on host-c in wave 2")
             assert [read_last_good(roots[h] / ".rollout").commit for h in HOSTS] == [commit_c, commit_c, commit_a]
             assert all(_serves(ports[h], repo_id) for h in HOSTS)  # host-c serves its last good model again
+
+            # 4. A model larger than one box: host-a leads a TP=2 group over two nodes, host-b its
+            # secondary node, started headless through host-b's own worker. Run as the UI runs it.
+            fleet_config = HostsFile.read(hosts_file).fleet()
+            leader = fleet_config.host_config(fleet_config.hosts[0], "main").model_copy(update={
+                "followers": [Follower(host="host-b", models_root=roots["host-b"])],
+                "vllm": fleet_config.deploy.vllm.model_copy(update={
+                    "tensor_parallel_size": 2, "enable_expert_parallel": False, "nnodes": 2,
+                    "master_addr": "127.0.0.1", "master_port": free_port()})})
+            run = run_deployment("deploy-model/host-a", parameters={"config": DeployConfig.model_validate(
+                leader.model_dump()).model_dump(mode="json")}, timeout=900, poll_interval=2)
+            assert run.state.is_completed(), (run.state, (tmp_path / "worker-host-a.log").read_text()[-4000:])
+            assert "rank 0 in world size 2" in (roots["host-a"] / ".rollout" / "vllm.log").read_text()
+            headless = json.loads((roots["host-b"] / ".rollout" / "server.json").read_text())["command"]
+            assert "tasks.vllm.headless" in headless and headless[headless.index("--node-rank") + 1] == "1"
+            assert not _serves(ports["host-b"], repo_id)  # host-b's own server gave its GPUs to the group
+            reply = httpx.post(f"http://127.0.0.1:{ports['host-a']}/v1/completions", timeout=60, json={
+                "model": repo_id, "prompt": "41 42 43", "max_tokens": 3, "temperature": 0}).json()
+            assert reply["choices"][0]["text"] == " 44 45 46"  # the two nodes together answer right
+            assert [g["host"] for g in read_last_good(roots["host-a"] / ".rollout").group] == ["host-b"]
     assert "bulk DML" not in server_log.read_text()

@@ -87,7 +87,8 @@ def test_adding_a_host_is_one_entry_and_the_committed_deployments_are_the_render
     rendered = yaml.safe_load(render(HostsFile.read(tmp_path / "hosts.yaml")))
     box2 = [d for d in rendered["deployments"] if d["name"] == "gpu-box-2"]
     assert sorted(d["entrypoint"] for d in box2) == [
-        "flows/deploy.py:deploy_model", "flows/nightly.py:nightly_refresh", "flows/tune.py:tune_model"]
+        "flows/deploy.py:deploy_model", "flows/group.py:join_group", "flows/nightly.py:nightly_refresh",
+        "flows/tune.py:tune_model"]
     for d in box2:
         assert d["work_pool"] == {"name": "gpu-box-2", "work_queue_name": "default",
                                   "job_variables": {"env": {"ROLLOUT_HOST": "gpu-box-2"}}}

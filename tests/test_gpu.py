@@ -65,9 +65,12 @@ def test_weights_that_do_not_fit_at_low_tp_are_blocked():
     assert "148.8 GB of weights per GPU at TP=4" in found[0].message
 
 
-def test_tp_beyond_the_gpu_count_is_blocked():
+def test_tp_beyond_the_gpu_count_is_blocked_unless_it_spans_nodes():
     found = check_hardware(rtx_pro_6000(), HardwarePlan(16, KIMI_INT4_BYTES, kv_cache_fp8=False))
     assert "tp-exceeds-gpus" in [v.rule for v in found]
+    two_boxes = HardwarePlan(16, KIMI_INT4_BYTES, kv_cache_fp8=False, nodes=2)  # 8 GPUs on each of 2 hosts
+    assert two_boxes.gpus_needed == 8 and check_hardware(rtx_pro_6000(), two_boxes) == []
+    assert two_boxes.layout == "TP=16 over 2 nodes"
 
 
 def test_pcie_tensor_parallel_beyond_two_is_a_warning():

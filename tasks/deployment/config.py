@@ -8,11 +8,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from tasks.answers.spec import AnswerSpec
 from tasks.bench.spec import BenchSpec
 from tasks.vllm.settings import VllmSettings
+
+
+class Follower(BaseModel):
+    """A secondary node of a model larger than one box, deployed through its own host's worker."""
+
+    host: str = Field(..., pattern=r"^[a-z0-9][a-z0-9-]*$",
+                      description="The host's name: its `join-group/<host>` deployment starts vLLM headless there")
+    models_root: Path = Field(Path("/models"), description="That host's filesystem for the HF cache")
 
 
 class DeployConfig(BaseModel):
@@ -46,8 +54,43 @@ class DeployConfig(BaseModel):
                                          description="Fail and roll back when single-stream or peak tok/s falls "
                                          "(or p99 TTFT grows) by more than this fraction against the last good "
                                          "deployment of the same model on this host; empty: no check")
+    followers: list[Follower] = Field(default_factory=list,
+                                      description="Secondary nodes, in node order, for a model larger than one box: "
+                                      "with nnodes (one TP/PP group over the nodes) or data_parallel_size_local "
+                                      "(data-parallel ranks over the nodes); this host leads and serves the API")
     use_tuned: bool = Field(True, description="Serve with the vLLM settings `rollout tune --promote` chose for "
                                               "this model on this host, where it did, instead of the ones above")
+
+    @model_validator(mode="after")
+    def _group_adds_up(self) -> DeployConfig:
+        """A group whose nodes do not add up would hang at start-up waiting for a rank; say so first."""
+        if not self.followers:
+            return self
+        nodes, v = len(self.followers) + 1, self.vllm
+        if v.nnodes > 1:
+            if v.nnodes != nodes:
+                raise ValueError(f"followers: {nodes} nodes, but vllm.nnodes is {v.nnodes}")
+            if not v.master_addr:
+                raise ValueError("followers: vllm.master_addr (this host's address, rank 0) is empty")
+        elif v.data_parallel_size_local:
+            if v.data_parallel_size != v.data_parallel_size_local * nodes:
+                raise ValueError(f"followers: {nodes} nodes of {v.data_parallel_size_local} data-parallel ranks "
+                                 f"each, but vllm.data_parallel_size is {v.data_parallel_size}")
+            if not v.data_parallel_address:
+                raise ValueError("followers: vllm.data_parallel_address (this host's address) is empty")
+        else:
+            raise ValueError("followers: set vllm.nnodes (TP/PP over the nodes) or vllm.data_parallel_size_local "
+                             "(data-parallel ranks over the nodes)")
+        return self
+
+    def group_members(self) -> list[tuple[str, DeployConfig]]:
+        """Each secondary node's host and deploy: this model on that host's models root, as its rank."""
+        v = self.vllm
+        return [(f.host, self.model_copy(update={
+            "models_root": f.models_root, "followers": [], "mirror_endpoint": self.mirror_endpoint,
+            "vllm": v.model_copy(update={"node_rank": i} if v.nnodes > 1 else
+                                 {"data_parallel_start_rank": i * (v.data_parallel_size_local or 1)})}))
+            for i, f in enumerate(self.followers, start=1)]
 
     @property
     def cache_dir(self) -> Path:

@@ -46,6 +46,7 @@ def hardware_plan(config: DeployConfig, prepared: PreparedModel) -> HardwarePlan
         expert_parallel=config.vllm.enable_expert_parallel,
         routed_expert_bytes=sum(r["bytes"] for r in prepared.validation.summary if r["role"] == "routed expert"),
         fp8_kv_on_sm12x=mla_takes_fp8_kv(),
+        nodes=len(config.followers) + 1,
     )
 
 
@@ -110,4 +111,5 @@ def deployment_record(config: DeployConfig, prepared: PreparedModel, handle: Ser
     """What the host remembers of this deployment: what a restore starts and the next run is held to."""
     return LastGood(repo_id=prepared.repo_id, commit=prepared.commit, model_dir=prepared.model_dir,
                     revision=config.revision, server=as_served(handle, server), api_key_secret=config.api_key_secret,
-                    serving_pgid=handle.pgid if config.keep_serving else None, record=record)
+                    serving_pgid=handle.pgid if config.keep_serving else None, record=record,
+                    group=[{"host": host, "config": c.model_dump(mode="json")} for host, c in config.group_members()])

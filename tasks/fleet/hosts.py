@@ -1,8 +1,8 @@
 """The fleet's one file, deployments/hosts.yaml: the model every host serves and one entry per host.
 
 `rollout deployments` renders it into deployments/prefect.yaml, so adding a host is one entry
-here, not a copied YAML block: each host gets its nightly, deploy and tune deployments on its own
-work pool, with ROLLOUT_HOST set to its name; the fleet gets `fleet-rollout/fleet` and the report
+here, not a copied YAML block: each host gets its nightly, deploy, tune and join-group deployments
+on its own work pool, with ROLLOUT_HOST set to its name; the fleet gets `fleet-rollout/fleet` and the report
 `compare-runs/compare`.
 """
 
@@ -133,6 +133,10 @@ class HostsFile(BaseModel):
                  "tags": [host.name, "ui"], **common,
                  "concurrency_limit": {"limit": 1, "collision_strategy": "CANCEL_NEW"},
                  "parameters": {"config": {"deploy": config, "promote": False}}},
+                {"name": host.name, "description": f"{host.name} as a secondary node of a model larger than one "
+                 "box: vLLM headless as its rank, started and stopped by the leader's deploy.",
+                 "entrypoint": "flows/group.py:join_group", "tags": [host.name, "group"], **common,
+                 "parameters": {"config": config, "leave": False}},
             ]
         deployments += [
             {"name": "fleet", "description": "Roll a revision out over the hosts: the canary first, then waves; the "

@@ -4,6 +4,7 @@ a failed deploy restores, and the benchmark the next deploy of the same model mu
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
@@ -21,6 +22,9 @@ class LastGood(BaseModel):
     api_key_secret: str | None = None  # the Secret block's name; the key itself is never written here
     serving_pgid: int | None = None  # the vLLM group serving it now; None after a benchmark-only run
     record: RunRecord | None = None
+    # The secondary nodes, {"host", "config"} (their DeployConfig as JSON: the form sits above the
+    # history), which a restore of a multi-node deployment joins again before it starts the leader.
+    group: list[dict[str, Any]] = []
 
 
 def last_good_file(run_dir: Path) -> Path:

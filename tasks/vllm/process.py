@@ -79,8 +79,9 @@ def start_server(cfg: ServerConfig, run_dir: Path, api_key: str | None = None) -
     if cfg.cpus and not parse_cpus(cfg.cpus) <= (usable := os.sched_getaffinity(0)):
         raise ServerStartError(f"cpus {cfg.cpus}: this host lets vLLM use CPUs {_cpu_list(usable)} only",
                                "cpus-unavailable", "")
-    port = cfg.port or _free_port(cfg.host)
-    ensure_port_free(cfg.host, port)
+    port = None if cfg.headless else cfg.port or _free_port(cfg.host)  # a headless node serves no API
+    if port is not None:
+        ensure_port_free(cfg.host, port)
     command = build_command(cfg, port)
     check_arguments(command, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -97,7 +98,7 @@ def start_server(cfg: ServerConfig, run_dir: Path, api_key: str | None = None) -
         # starts later (engine core, workers) inherits this affinity.
         os.sched_setaffinity(proc.pid, parse_cpus(cfg.cpus))
     handle = ServerHandle(
-        pid=proc.pid, pgid=proc.pid, base_url=f"http://{cfg.host}:{port}", log_path=log_path,
+        pid=proc.pid, pgid=proc.pid, base_url=f"http://{cfg.host}:{port}" if port else "", log_path=log_path,
         state_file=run_dir / "server.json", command=command, process=proc, api_key=api_key,
     )
     handle.state_file.write_text(json.dumps({"pid": handle.pid, "pgid": handle.pgid, "base_url": handle.base_url,

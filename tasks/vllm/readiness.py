@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -62,14 +63,57 @@ def wait_ready(handle: ServerHandle, model_name: str, timeout_s: float, poll_s: 
     raise _failed(handle, f"not ready after {timeout_s:.0f} s", cause="startup-timeout")
 
 
+# What a secondary node logs once its engine ranks are launched and reaching for the leader.
+HEADLESS_LAUNCHED = re.compile(r"Launching vLLM \(v[^)]*\) headless multiproc executor|"
+                               r"Launching \d+ data parallel engine\(s\) in headless mode")
+# What each rank logs as it joins torch.distributed: the leader's rank 0 names the group's size.
+WORLD_SIZE = re.compile(r"rank \d+ in world size (\d+)")
+
+
+def wait_headless(handle: ServerHandle, timeout_s: float, poll_s: float = 1.0) -> float:
+    """A secondary node is up once vLLM says it launched its ranks; it has no API to ask. Whether
+    they joined the group is the leader's to say (check_group)."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        if handle.process is not None and (code := handle.process.poll()) is not None:
+            raise _failed(handle, f"exited with code {code} during start-up")
+        if handle.log_path.exists() and HEADLESS_LAUNCHED.search(handle.log_path.read_text(errors="replace")):
+            return time.monotonic() - started
+        time.sleep(poll_s)
+    raise _failed(handle, f"did not launch its ranks within {timeout_s:.0f} s", cause="startup-timeout")
+
+
+def check_group(handle: ServerHandle, cfg: ServerConfig) -> None:
+    """The leader of a multi-node group reports every rank: a group over --nnodes hosts is one
+    torch.distributed world of tensor x pipeline ranks, which the leader joins only once all have;
+    data parallelism over hosts shows one engine per rank in the leader's /metrics."""
+    if cfg.nnodes > 1:
+        sizes = WORLD_SIZE.findall(handle.log_path.read_text(errors="replace"))
+        if not sizes or int(sizes[0]) != cfg.world_size:
+            raise _failed(handle, f"leader reports a world of {sizes[0] if sizes else 'no'} ranks, not the "
+                                  f"{cfg.world_size} of TP x PP over {cfg.nnodes} nodes", cause="group-incomplete")
+    if cfg.data_parallel_size_local and cfg.data_parallel_size > cfg.data_parallel_size_local:
+        auth = {"Authorization": f"Bearer {handle.api_key}"} if handle.api_key else {}
+        metrics = httpx.get(f"{handle.base_url}/metrics", headers=auth, timeout=10).text
+        engines = set(re.findall(r'engine="(\d+)"', metrics))
+        if len(engines) != cfg.data_parallel_size:
+            raise _failed(handle, f"leader reports {len(engines)} of {cfg.data_parallel_size} data-parallel ranks",
+                          cause="group-incomplete")
+
+
 def start_and_wait(cfg: ServerConfig, run_dir: Path, timeout_s: float, api_key: str | None = None,
                    report: Callable[[str], None] = lambda line: None) -> ServerHandle:
-    """Start vLLM and block until it serves (a real token included); on any failure the group is
+    """Start vLLM and block until it serves (a real token included), or for a secondary node until
+    its ranks are launched; a leader must also report every rank. On any failure the group is
     stopped before the error goes on, its log tail in the ServerStartError."""
     reap_stale(run_dir / "server.json")
     handle = start_server(cfg, run_dir, api_key)
     try:
-        handle.startup_s = wait_ready(handle, cfg.served_model_name, timeout_s, report=report)
+        if cfg.headless:
+            handle.startup_s = wait_headless(handle, timeout_s)
+        else:
+            handle.startup_s = wait_ready(handle, cfg.served_model_name, timeout_s, report=report)
+            check_group(handle, cfg)
     except BaseException:
         stop_server(handle)
         raise

@@ -25,6 +25,7 @@ class VllmSettings(BaseModel):
     nnodes: int = Field(1, ge=1, description="--nnodes one tensor/pipeline-parallel group spans (mp backend)")
     node_rank: int = Field(0, ge=0, description="--node-rank of this host among --nnodes")
     master_addr: str | None = Field(None, description="--master-addr: the rank-0 node, with --nnodes > 1")
+    master_port: int | None = Field(None, ge=1, le=65535, description="--master-port on the rank-0 node (vLLM: 29501)")
     data_parallel_size_local: int | None = Field(None, ge=1, description="--data-parallel-size-local on this node")
     data_parallel_start_rank: int | None = Field(None, ge=0, description="--data-parallel-start-rank of this node")
     data_parallel_address: str | None = Field(None, description="--data-parallel-address: the head node")
@@ -51,3 +52,9 @@ class ServerConfig(VllmSettings):
     served_model_name: str
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535, description="0 picks a free port")
+    headless: bool = False  # a secondary node of a multi-node group: engine ranks only, no API server
+
+    @property
+    def world_size(self) -> int:
+        """Ranks one engine spans (tensor x pipeline parallel): over --nnodes hosts when > 1."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size

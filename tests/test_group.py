@@ -1,0 +1,68 @@
+"""A model larger than one box, without starting one: the group's form, each node's rank and command,
+and the leader's rank check (the group on real vLLM CPU servers: tests/test_fleet.py, case 4)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tasks.deployment.config import DeployConfig
+from tasks.errors import ServerStartError
+from tasks.vllm.command import build_command
+from tasks.vllm.process import ServerHandle
+from tasks.vllm.readiness import check_group
+from tasks.vllm.settings import ServerConfig, VllmSettings
+
+
+def _config(**vllm) -> DeployConfig:
+    return DeployConfig(repo_id="moonshotai/Kimi-K2.5", vllm=VllmSettings(**vllm),
+                        followers=[{"host": "gpu-box-2", "models_root": "/data"}, {"host": "gpu-box-3"}])
+
+
+def test_each_secondary_node_gets_its_rank_and_its_own_models_root():
+    tp = _config(tensor_parallel_size=24, nnodes=3, master_addr="10.0.0.1")
+    assert [(host, c.vllm.node_rank, c.models_root, c.followers) for host, c in tp.group_members()] == [
+        ("gpu-box-2", 1, Path("/data"), []), ("gpu-box-3", 2, Path("/models"), [])]
+    dp = _config(tensor_parallel_size=8, data_parallel_size=6, data_parallel_size_local=2,
+                 data_parallel_address="10.0.0.1")
+    assert [c.vllm.data_parallel_start_rank for _, c in dp.group_members()] == [2, 4]
+
+
+@pytest.mark.parametrize("vllm, message", [
+    (dict(nnodes=2, master_addr="10.0.0.1"), "followers: 3 nodes, but vllm.nnodes is 2"),
+    (dict(nnodes=3), "followers: vllm.master_addr"),
+    (dict(data_parallel_size=4, data_parallel_size_local=2, data_parallel_address="h"),
+     "3 nodes of 2 data-parallel ranks each, but vllm.data_parallel_size is 4"),
+    (dict(), "followers: set vllm.nnodes"),
+])
+def test_a_group_whose_nodes_do_not_add_up_is_refused_with_the_form(vllm, message):
+    with pytest.raises(ValueError, match=message):
+        _config(**vllm)
+
+
+def test_a_secondary_node_runs_vllms_headless_launch_with_no_api():
+    cfg = ServerConfig(tensor_parallel_size=16, nnodes=2, node_rank=1, master_addr="10.0.0.1",
+                       model_path=Path("/m"), served_model_name="k", headless=True)
+    command = build_command(cfg, None)
+    assert command[1:6] == ["-m", "tasks.vllm.headless", "--model", "/m", "--headless"]
+    assert "--port" not in command and command[command.index("--node-rank") + 1] == "1"
+    # The launcher parses with the installed vLLM's own parser: a flag it lacks fails in seconds.
+    done = subprocess.run([*command[:5], "--headless", "--no-such-flag"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "unrecognized arguments: --no-such-flag" in done.stderr
+
+
+def test_the_leader_must_report_every_rank(tmp_path):
+    cfg = ServerConfig(tensor_parallel_size=2, nnodes=2, master_addr="127.0.0.1", model_path=tmp_path,
+                       served_model_name="k")
+    log = tmp_path / "vllm.log"
+    handle = ServerHandle(pid=1, pgid=1, base_url="http://127.0.0.1:9", log_path=log, state_file=tmp_path / "s",
+                          command=[])
+    log.write_text("(Worker pid=7) INFO [parallel_state.py:2350] rank 0 in world size 2 is assigned as DP rank 0\n")
+    check_group(handle, cfg)
+    log.write_text("(Worker pid=7) INFO [parallel_state.py:2350] rank 0 in world size 1 is assigned as DP rank 0\n")
+    with pytest.raises(ServerStartError, match="leader reports a world of 1 ranks, not the 2 of TP x PP over 2 "
+                                               "nodes") as err:
+        check_group(handle, cfg)
+    assert err.value.cause == "group-incomplete"
