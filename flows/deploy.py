@@ -35,7 +35,7 @@ from tasks.deployment.stages import (
     vocab_size,
 )
 from tasks.disk import GB
-from tasks.errors import AnswerCheckFailed, RegressionError, first_line
+from tasks.errors import AnswerCheckFailed, HostBusyError, RegressionError, first_line
 from tasks.gpu import GpuProbe
 from tasks.history.last_good import LastGood, read_last_good, serving_deployment, write_last_good
 from tasks.history.runs import RunRecord, check_regression, run_record
@@ -64,7 +64,7 @@ from tasks.steps import (
     validate_remote,
 )
 from tasks.vllm.command import warming_option_table
-from tasks.vllm.process import ServerHandle, reap_stale, served_model, stop_server
+from tasks.vllm.process import ServerHandle, reap_stale, served_model, serving_headless, stop_server
 from tasks.vllm.settings import ServerConfig
 
 __all__ = ["DeployConfig", "DeployResult", "PreparedModel", "deploy_model", "prepare_model"]
@@ -169,6 +169,9 @@ def _deploy(config: DeployConfig, summary: DeploySummary) -> DeployResult:
                     tuned.candidate)
         config = config.model_copy(update={"vllm": tuned.settings})
     with host_lock():  # first: reaping a "stale" server is only safe when no other deploy runs
+        if serving_headless(config.run_dir / "server.json"):
+            raise HostBusyError("this host runs a secondary node of a multi-node group led from another host: "
+                                "deploy on the leader, or run this host's join-group with leave first")
         previous = serving_deployment(config.run_dir)  # keeps serving while the new model comes in
         if previous is None and (stale := reap_stale(config.run_dir / "server.json")) is not None:
             logger.warning("stopped vLLM process group %d left by an earlier run", stale)

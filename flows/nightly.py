@@ -15,11 +15,13 @@ from tasks.errors import HubUnreachable, first_line
 from tasks.history.last_good import read_last_good, serving_deployment
 from tasks.run_labels import child_run_id, label_run
 from tasks.steps import hub_token, resolve_revision
+from tasks.vllm.process import serving_headless
 
 
 @flow(name="nightly-refresh")
 def nightly_refresh(config: DeployConfig) -> str:
-    """Returns "no-change" or "deployed"; a failed deploy (a regression included) fails the run."""
+    """Returns "no-change", "in-group" (a secondary node of a group led elsewhere) or "deployed"; a
+    failed deploy (a regression included) fails the run."""
     logger = get_run_logger()
     repo, revision = config.repo_id, config.revision
     label_run(repo, revision, prefix="nightly ")  # findable even when the hub does not answer
@@ -40,6 +42,12 @@ def nightly_refresh(config: DeployConfig) -> str:
                         f"this host (`{last.model_dir}`). Nothing downloaded, nothing restarted.")
         logger.info("%s@%s is still %s: nothing to do", repo, revision, commit[:12])
         return "no-change"
+    if serving_headless(config.run_dir / "server.json"):  # its GPUs belong to a group led from another host
+        publish_nightly(repo, revision, "Skipped: this host serves as a secondary node of a multi-node group",
+                        f"**Skipped:** `{revision}` is commit `{commit}`, but this host's GPUs run a secondary node "
+                        "of a multi-node group led from another host; the leader's deploy moves the group.")
+        logger.info("this host is a secondary node of a multi-node group: nothing to do here")
+        return "in-group"
     was = f"`{last.repo_id}@{last.commit}`" if last else "nothing recorded"
     logger.info("%s@%s is now %s (last good: %s): deploying", repo, revision, commit[:12], was)
     try:

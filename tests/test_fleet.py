@@ -37,12 +37,13 @@ from prefect.deployments import run_deployment
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from flows.demo import BF16_REPO, demo_config
-from tasks.artifacts import model_slug
+from tasks.artifacts import model_slug, read_history
 from tasks.deployment.config import DeployConfig, Follower
 from tasks.fleet.hosts import HostsFile
 from tasks.history.last_good import read_last_good
 from tasks.hub import resolve_snapshot
 from tasks.vllm.process import reap_stale
+from testkit.browser import CHROMIUM, open_artifact
 from testkit.faulty_mirror import FaultyMirror
 from testkit.prefect_processes import BIN, free_port, prefect_server, prefect_worker
 
@@ -65,10 +66,10 @@ def _deploy_runs(client, host: str) -> list:
                                  deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=[host])))
 
 
-def _fleet_artifact(client, repo_id: str) -> str:
+def _fleet_artifact(client, repo_id: str, field: str = "data"):
     key = ArtifactFilterKey(any_=[f"fleet-{model_slug(repo_id)}"])
     found = client.read_artifacts(artifact_filter=ArtifactFilter(key=key), sort=ArtifactSort.CREATED_DESC, limit=1)
-    return found[0].data
+    return getattr(found[0], field)
 
 
 def _host_rows(markdown: str) -> dict[str, str]:
@@ -90,7 +91,7 @@ def test_a_fleet_rolls_out_canary_first_reads_the_hub_once_and_stops_at_a_failed
     ports = {h: free_port() for h in HOSTS}
     model = demo_config(local_hub.endpoint, tmp_path, repo_id=repo_id, **QUICK).model_dump(mode="json")
 
-    with prefect_server(tmp_path) as (url, server_log), FaultyMirror(roots["host-a"] / "hub") as mirror, \
+    with prefect_server(tmp_path, ui=True) as (url, server_log), FaultyMirror(roots["host-a"] / "hub") as mirror, \
             temporary_settings({PREFECT_API_URL: url}), get_client(sync_client=True) as client:
         hosts_file = tmp_path / "hosts.yaml"
 
@@ -100,7 +101,8 @@ def test_a_fleet_rolls_out_canary_first_reads_the_hub_once_and_stops_at_a_failed
                      for h in HOSTS]
             hosts_file.write_text(yaml.safe_dump({"model": model, "hosts": hosts, "wave_size": 2}))
 
-        env = {**os.environ, "PREFECT_API_URL": url, "ROLLOUT_HOME": str(ROOT)}
+        env = {**os.environ, "PREFECT_API_URL": url, "PREFECT_UI_URL": url.removesuffix("/api"),
+               "ROLLOUT_HOME": str(ROOT)}
 
         def rollout(*args: str) -> subprocess.CompletedProcess:
             return subprocess.run([str(BIN / "rollout"), *args], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -178,7 +180,14 @@ def test_a_fleet_rolls_out_canary_first_reads_the_hub_once_and_stops_at_a_failed
             fleet = _fleet_artifact(client, repo_id)
             assert fleet.startswith(f"# Stopped: {repo_id}@{commit_c[:12]} failed on host-c in wave 2")
             assert [read_last_good(roots[h] / ".rollout").commit for h in HOSTS] == [commit_c, commit_c, commit_a]
+            # The same weights under a new commit passed each host's drift checks against its last good.
+            republished = [r for r in read_history(repo_id) if r.commit == commit_c]
+            assert sorted(r.host for r in republished) == ["host-a", "host-b"]
+            assert all(r.status == "passed" and r.answers.accuracy >= 0.9 for r in republished)
             assert all(_serves(ports[h], repo_id) for h in HOSTS)  # host-c serves its last good model again
+            if CHROMIUM:  # as an engineer reads it: the verdict, the row of each host, its run linked
+                open_artifact(url.removesuffix("/api"), str(_fleet_artifact(client, repo_id, "id")),
+                              "Stopped:", "fleet.png", "rolled back", "host-b")
 
             # 4. A model larger than one box: host-a leads a TP=2 group over two nodes, host-b its
             # secondary node, started headless through host-b's own worker. Run as the UI runs it.

@@ -66,3 +66,36 @@ def test_the_leader_must_report_every_rank(tmp_path):
                                                "nodes") as err:
         check_group(handle, cfg)
     assert err.value.cause == "group-incomplete"
+
+
+def test_a_secondary_node_is_left_alone_by_its_hosts_nightly_and_deploys(prefect_server, local_hub, tmp_path):
+    """Its GPUs run a group led from another host: a nightly there skips, a deploy there is refused,
+    and neither stops the group's ranks."""
+    import json
+    import os
+    import signal
+    import sys
+
+    from conftest import artifact
+
+    from flows.demo import demo_config
+    from flows.deploy import deploy_model
+    from flows.nightly import nightly_refresh
+    from tasks.errors import HostBusyError
+
+    config = demo_config(local_hub.endpoint, tmp_path / "models")
+    ranks = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "-m", "tasks.vllm.headless"],
+                             start_new_session=True)  # stands in for the headless ranks: their command line
+    try:
+        config.run_dir.mkdir(parents=True)
+        (config.run_dir / "server.json").write_text(json.dumps(
+            {"pid": ranks.pid, "pgid": ranks.pid, "base_url": "", "command": ranks.args}))
+        assert nightly_refresh(config) == "in-group"
+        assert artifact("nightly-demo-tiny-moe").data.startswith(
+            "# Skipped: this host serves as a secondary node of a multi-node group")
+        with pytest.raises(HostBusyError, match="secondary node of a multi-node group led from another host"):
+            deploy_model(config)
+        assert ranks.poll() is None  # the group's ranks still run
+    finally:
+        os.killpg(ranks.pid, signal.SIGKILL)
+        ranks.wait()

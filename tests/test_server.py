@@ -198,7 +198,7 @@ def test_installed_vllm_parser_accepts_the_commands_we_build(tmp_path):
                        max_num_seqs=128, max_num_batched_tokens=8192, kv_cache_dtype="fp8",
                        gpu_memory_utilization=0.92, data_parallel_size=2, trust_remote_code=True,
                        data_parallel_size_local=1, data_parallel_address="10.0.0.1", data_parallel_rpc_port=13345,
-                       data_parallel_start_rank=1, nnodes=2, node_rank=1, master_addr="10.0.0.1",
+                       data_parallel_start_rank=1, nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29600,
                        distributed_executor_backend="mp", pipeline_parallel_size=2, enforce_eager=True,
                        extra_args=["--enable_prefix_caching", "--seed", "7", "--compilation-config.mode", "0"])
     command = build_command(cfg, 8000)

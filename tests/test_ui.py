@@ -7,56 +7,27 @@ Debian's Chromium driven by Playwright. Screenshots land in test-output/ui/ for 
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
 import textwrap
-import time
-from pathlib import Path
 
 import httpx
 import pytest
 from conftest import vllm_processes
 
 from flows.demo import BF16_REPO, INT4_REPO
-
-SHOTS = Path(__file__).resolve().parent.parent / "test-output" / "ui"
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from testkit.browser import CHROMIUM, SHOTS
+from testkit.prefect_processes import prefect_server
 
 
 @pytest.fixture(scope="module")
 def ui_server(tmp_path_factory):
-    """A Prefect server with its UI, on its own database."""
-    home, port = tmp_path_factory.mktemp("prefect-ui"), _free_port()
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_API_PORT": str(port),
-           "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_API_URL": f"http://127.0.0.1:{port}/api", "PREFECT_UI_URL": f"http://127.0.0.1:{port}",
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"}
-    log = (home / "server.log").open("w")
-    server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start"], env=env, stdout=log,
-                              stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/api/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(1)
-    else:
-        server.kill()
-        pytest.fail(f"prefect server start did not answer in 180 s: {home / 'server.log'}")
-    try:
-        yield url, env
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+    """A Prefect server with its UI, on its own database: (its URL, the environment that reports to it)."""
+    home = tmp_path_factory.mktemp("prefect-ui")
+    with prefect_server(home, ui=True) as (api, _):
+        url = api.removesuffix("/api")
+        yield url, {**os.environ, "PREFECT_API_URL": api, "PREFECT_UI_URL": url}
 
 
 # One deploy of the demo model, the INT4 variant staged, and the compare flow, as a user's runs would

@@ -163,6 +163,12 @@ def serving_group(state_file: Path) -> int | None:
     return int(state["pgid"]) if state else None
 
 
+def serving_headless(state_file: Path) -> bool:
+    """Whether the vLLM recorded there runs a secondary node's ranks: a group led from another host."""
+    state = _live_state(state_file)
+    return state is not None and "tasks.vllm.headless" in state.get("command", [])
+
+
 def served_model(state_file: Path) -> Path | None:
     """The --model of the vLLM recorded in the state file, while its process group still runs."""
     state = _live_state(state_file)

@@ -53,12 +53,14 @@ def stop(process: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def prefect_server(home: Path) -> Iterator[tuple[str, Path]]:
-    """`prefect server start` on SQLite in its own PREFECT_HOME, every service on: (API URL, log)."""
+def prefect_server(home: Path, ui: bool = False) -> Iterator[tuple[str, Path]]:
+    """`prefect server start` on SQLite in its own PREFECT_HOME, every service on, the UI only when
+    asked (at the server's address, without /api): (API URL, log)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}/api"
     env = {**os.environ, "PREFECT_HOME": str(home / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "DO_NOT_TRACK": "1", "PREFECT_UI_ENABLED": "false"}
+           "DO_NOT_TRACK": "1", "PREFECT_UI_ENABLED": str(ui).lower(), "PREFECT_UI_URL": url.removesuffix("/api"),
+           "PREFECT_UI_API_URL": url}  # what the UI in a browser calls; it defaults to port 4200
     env.pop("PREFECT_API_URL", None)
     log = home / "server.log"
     server = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
