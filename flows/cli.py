@@ -477,7 +477,7 @@ def fleet(
         _fail(exc)
     import pandas as pd
 
-    rows = [{k: v for k, v in row.items() if k not in ("flow_run_id", "failures")}
+    rows = [{k: v for k, v in row.items() if k not in ("flow_run_id", "failures", "verdict")}
             for row in fleet_rows(outcomes, config.hosts, config.outlier_slowdown)]
     with pd.option_context("display.width", 250, "display.max_columns", None):
         typer.echo(pd.DataFrame(rows).to_string(index=False, na_rep="-"))

@@ -524,7 +524,7 @@ def read_deploy_outcome(flow_run_id: str, repo_id: str) -> tuple[str | None, Run
 
 def publish_fleet(repo_id: str, commit: str, verdict: str, rows: list[dict], mirror: str | None) -> None:
     """`fleet-<model>`: the verdict, then a row per host with its run linked; every mirror failure named."""
-    table = pd.DataFrame([{**{k: v for k, v in row.items() if k not in ("flow_run_id", "failures")},
+    table = pd.DataFrame([{**{k: v for k, v in row.items() if k not in ("flow_run_id", "failures", "verdict")},
                            "run": run_link(row["flow_run_id"], "run") if row["flow_run_id"] else "-"}
                           for row in rows])
     table = table[[c for c in table.columns if c == "host" or table[c].astype(bool).any()]]  # drop empty columns
@@ -532,6 +532,9 @@ def publish_fleet(repo_id: str, commit: str, verdict: str, rows: list[dict], mir
              f"- **Canary:** {rows[0]['host']}; the hosts after it fetched from "
              + (f"its mirror {mirror}, each file held to the Hub's sha256" if mirror else "the Hub (no mirror set)"),
              "", _markdown_table(table)]
+    stopped = [row for row in rows if row["status"] not in ("serving", "untouched")]
+    if stopped:
+        lines += ["", "**Why it stopped:**", ""] + [f"- {row['host']}: {row['verdict']}" for row in stopped]
     failures = [(row["host"], f) for row in rows for f in row.get("failures", [])]
     if failures:
         lines += ["", f"**Mirror failures ({len(failures)})**, each file then fetched from the Hub and verified:", ""]

@@ -65,7 +65,8 @@ def test_the_verdict_and_table_say_where_a_rollout_stopped_and_which_hosts_it_ne
     outcomes = [HostOutcome(fleet.hosts[0], 1, True, "Serving: ...", "run-1", _record(2300.0), {"hub": 6}),
                 HostOutcome(fleet.hosts[1], 2, True, "Serving: ...", "run-2", _record(2280.0), {"mirror": 5, "hub": 1},
                             ["tokenizer.json: ChecksumError: ..."]),
-                HostOutcome(fleet.hosts[2], 2, False, "Rolled back: org/model@cccc failed at the vLLM start", "run-3")]
+                HostOutcome(fleet.hosts[2], 2, False, "Rolled back: org/model@cccc failed at the vLLM start: "
+                            "ServerStartError: vLLM exited with code 1 during start-up (out-of-memory): ...", "run-3")]
     said = verdict("org/model", "c" * 40, fleet.hosts, outcomes)
     assert said == ("Stopped: org/model@cccccccccccc failed on box-3 in wave 2: Rolled back: org/model@cccc failed "
                     "at the vLLM start; untouched, serving what they served: box-4, box-5")
@@ -74,6 +75,7 @@ def test_the_verdict_and_table_say_where_a_rollout_stopped_and_which_hosts_it_ne
         ("box-1", 1, "serving"), ("box-2", 2, "serving"), ("box-3", 2, "rolled back"), ("box-4", None, "untouched"),
         ("box-5", None, "untouched")]
     assert rows[1]["fetched from"] == "mirror 5, hub 1" and rows[1]["mirror failures"] == 1
+    assert rows[2]["verdict"].endswith("(out-of-memory): ...")  # the whole of it below the table
     assert verdict("org/model", "c" * 40, fleet.hosts[:2], outcomes[:2]) == \
         "Rolled out: org/model@cccccccccccc serves on all 2 hosts"
 

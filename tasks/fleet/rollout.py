@@ -62,10 +62,20 @@ def verdict(repo_id: str, commit: str, hosts: list[FleetHost], outcomes: list[Ho
     failed = [o for o in outcomes if not o.serving]
     if not failed:
         return f"Rolled out: {what} serves on all {len(outcomes)} hosts"
-    where = "; ".join(f"{o.host.name} in wave {o.wave}{' (the canary)' if o.wave == 1 else ''}: {o.verdict}"
+    where = "; ".join(f"{o.host.name} in wave {o.wave}{' (the canary)' if o.wave == 1 else ''}: {_short(o.verdict)}"
                       for o in failed)
     left = f"; untouched, serving what they served: {', '.join(untouched)}" if untouched else ""
     return f"Stopped: {what} failed on {where}{left}"
+
+
+def _tok_s(value: float | None) -> float | None:
+    return round(value, 1) if value is not None else None
+
+
+def _short(host_verdict: str) -> str:
+    """A deploy's verdict up to the stage it failed at ("Rolled back: m@c failed at the vLLM start");
+    the error itself is the artifact's, below the table, and the host's run's."""
+    return ": ".join(host_verdict.split(": ")[:2])
 
 
 def fleet_rows(outcomes: list[HostOutcome], hosts: list[FleetHost], slowdown: float) -> list[dict]:
@@ -79,11 +89,13 @@ def fleet_rows(outcomes: list[HostOutcome], hosts: list[FleetHost], slowdown: fl
         rows.append({
             "host": host.name, "wave": o.wave if o else None, "flow_run_id": o.flow_run_id if o else None,
             "status": o.status if o else "untouched",
-            "single stream tok/s": r.single_stream_tok_s if r else None, "peak tok/s": r.peak_tok_s if r else None,
-            "vs its last good": (r.compared or "first deployment") if r else "",
+            "single stream tok/s": _tok_s(r.single_stream_tok_s) if r else None,
+            "peak tok/s": _tok_s(r.peak_tok_s) if r else None,
+            "vs its last good": (r.compared.split("): ", 1)[-1] if r.compared else "first deployment") if r else "",
             "fetched from": ", ".join(f"{s} {n}" for s, n in o.fetched.items() if n) if o else "",
             "mirror failures": len(o.mirror_failures) if o else 0,
             "outlier": flags.get(host.name, ""),
             "failures": o.mirror_failures if o else [],
+            "verdict": o.verdict if o else "",
         })
     return rows
