@@ -37,30 +37,50 @@ def byte_span(range_header: str | None, size: int) -> tuple[int, int, int]:
     return 0, size - 1, 200
 
 
-class CacheMirror:
-    """Serves the HF cache at `cache_dir` (models_root/hub) on host:port, in a thread of its own."""
+class BackgroundServer:
+    """An HTTP server on host:port, served from a thread of its own while in a `with` block; its
+    handler reaches the server object as `self.owner`. The mirror and the demo's hub are both one."""
 
-    def __init__(self, cache_dir: Path, host: str = "127.0.0.1", port: int = 0,
-                 log: Callable[[str], None] = lambda line: None):
-        self.cache_dir = cache_dir
-        self.log = log
-        mirror = self
-
-        class Handler(self.handler):
-            cache_mirror = mirror
-
-        self.server = _Server((host, port), Handler)
+    def __init__(self, host: str = "127.0.0.1", port: int = 0):
+        self.server = _Server((host, port), type("Handler", (self.handler,), {"owner": self}))
         self.server.daemon_threads = True
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     @property
-    def handler(self) -> type[MirrorHandler]:
-        return MirrorHandler
+    def handler(self) -> type[BaseHTTPRequestHandler]:
+        raise NotImplementedError
 
     @property
     def endpoint(self) -> str:
         host, port = self.server.server_address[:2]
         return f"http://{host}:{port}"
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:
+        """A client that hangs up mid-body (a killed fetch) is routine here, not a traceback."""
+
+
+class CacheMirror(BackgroundServer):
+    """Serves the HF cache at `cache_dir` (models_root/hub) on host:port."""
+
+    def __init__(self, cache_dir: Path, host: str = "127.0.0.1", port: int = 0,
+                 log: Callable[[str], None] = lambda line: None):
+        self.cache_dir = cache_dir
+        self.log = log
+        super().__init__(host, port)
+
+    @property
+    def handler(self) -> type[MirrorHandler]:
+        return MirrorHandler
 
     def locate(self, repo_id: str, commit: str, rel: str) -> Path | None:
         """The verified blob behind a snapshot entry, or None: absent, or anything not a cache blob."""
@@ -75,22 +95,9 @@ class CacheMirror:
             return None
         return target
 
-    def __enter__(self) -> CacheMirror:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-class _Server(ThreadingHTTPServer):
-    def handle_error(self, request, client_address) -> None:
-        """A client that hangs up mid-body is routine for a mirror, not a traceback."""
-
 
 class MirrorHandler(BaseHTTPRequestHandler):
-    cache_mirror: CacheMirror
+    owner: CacheMirror
     protocol_version = "HTTP/1.1"
 
     def log_message(self, format: str, *args) -> None:
@@ -120,7 +127,7 @@ class MirrorHandler(BaseHTTPRequestHandler):
             self._status(200, "ok")
             return
         m = _RESOLVE.match(path)
-        blob = m and self.cache_mirror.locate(m["repo"], m["commit"], m["file"])
+        blob = m and self.owner.locate(m["repo"], m["commit"], m["file"])
         if not blob:
             self._status(404, f"{path}: not in this mirror (only verified files of pinned commits are)",
                          {"X-Error-Code": "EntryNotFound"})
@@ -130,7 +137,7 @@ class MirrorHandler(BaseHTTPRequestHandler):
         if start >= size and status == 206:
             self._status(416, "range not satisfiable", {"Content-Range": f"bytes */{size}"})
             return
-        self.cache_mirror.log(f"{self.command} {m['repo']} {m['file']} bytes {start}-{end} of {size}")
+        self.owner.log(f"{self.command} {m['repo']} {m['file']} bytes {start}-{end} of {size}")
         self.send_response(status)
         self.send_header("X-Repo-Commit", m["commit"])
         self.send_header("ETag", f'"{blob.name}"')

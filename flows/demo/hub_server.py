@@ -15,11 +15,11 @@ import hashlib
 import json
 import re
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from tasks.mirror import byte_span
+from tasks.mirror import BackgroundServer, byte_span
 
 LFS_SUFFIXES = (".safetensors", ".bin", ".gguf")
 _API = re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)(?:/revision/(?P<rev>[^/]+))?$")
@@ -66,30 +66,18 @@ class LocalRepo:
         return entry["lfs"]["sha256"] if "lfs" in entry else entry["blobId"]
 
 
-class LocalHub:
+class LocalHub(BackgroundServer):
     """Serves every <org>/<name> folder under root as a model repo with one revision, "main"."""
 
     def __init__(self, root: Path, host: str = "127.0.0.1", port: int = 0):
         self.root = root
         self._repos: dict[str, LocalRepo] = {}
         self._lock = threading.Lock()
-        hub = self
-
-        class Handler(self.handler):
-            local_hub = hub
-
-        self.server = _QuietServer((host, port), Handler)
-        self.server.daemon_threads = True
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        super().__init__(host, port)
 
     @property
     def handler(self) -> type["HubHandler"]:
         return HubHandler
-
-    @property
-    def endpoint(self) -> str:
-        host, port = self.server.server_address[:2]
-        return f"http://{host}:{port}"
 
     def repo(self, repo_id: str) -> LocalRepo | None:
         folder = self.root / repo_id
@@ -105,22 +93,9 @@ class LocalHub:
         with self._lock:
             self._repos.clear()
 
-    def __enter__(self) -> "LocalHub":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-class _QuietServer(ThreadingHTTPServer):
-    def handle_error(self, request, client_address) -> None:
-        """A client that hangs up mid-body (a killed fetch) is routine here, not a traceback."""
-
 
 class HubHandler(BaseHTTPRequestHandler):
-    local_hub: LocalHub
+    owner: LocalHub
     protocol_version = "HTTP/1.1"
 
     def log_message(self, format: str, *args) -> None:  # keep demo and test output readable
@@ -140,7 +115,7 @@ class HubHandler(BaseHTTPRequestHandler):
             self.wfile.write(body)
 
     def _lookup(self, repo_id: str, rev: str | None) -> LocalRepo | None:
-        repo = self.local_hub.repo(repo_id)
+        repo = self.owner.repo(repo_id)
         if repo is None:
             self._error(404, "RepoNotFound", f"Repository {repo_id} not found")
             return None

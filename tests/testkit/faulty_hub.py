@@ -65,21 +65,21 @@ class FaultyHub(LocalHub):
 
 
 class FaultyHandler(HubHandler):
-    local_hub: FaultyHub
+    owner: FaultyHub
     _fault: Fault | None = None
 
     def _serve(self) -> None:
-        token = self.local_hub.require_token
+        token = self.owner.require_token
         if token and self.headers.get("Authorization") != f"Bearer {token}":
             self._error(401, "", "Invalid credentials in Authorization header")
             return
         super()._serve()
 
     def _answered(self, rel: str, start: int, status: int) -> None:
-        self.local_hub.log(Request(self.command, rel, start, status))
+        self.owner.log(Request(self.command, rel, start, status))
 
     def _send_file(self, repo: LocalRepo, rel: str) -> None:
-        hub = self.local_hub
+        hub = self.owner
         self._fault = hub.next_fault(rel) if self.command == "GET" and rel in repo.files else None
         if self._fault and self._fault.kind == "status":
             start = self._span(repo.files[rel]["size"])[0]
@@ -91,7 +91,7 @@ class FaultyHandler(HubHandler):
         super()._send_file(repo, rel)
 
     def _write_body(self, fh, rel: str, start: int, end: int) -> None:
-        hub, fault = self.local_hub, self._fault
+        hub, fault = self.owner, self._fault
         cut = start + fault.after_bytes if fault and fault.kind in ("reset", "close") else None
         flip = start + fault.after_bytes if fault and fault.kind == "corrupt" else None
         step = 1 << 20 if hub.throttle_bps is None else max(int(hub.throttle_bps / 20), 1)

@@ -26,10 +26,10 @@ class FaultyMirror(CacheMirror):
 
 
 class FaultyMirrorHandler(MirrorHandler):
-    cache_mirror: FaultyMirror
+    owner: FaultyMirror
 
     def send_body(self, fh, rel: str, start: int, end: int) -> None:
-        mirror = self.cache_mirror
+        mirror = self.owner
         with mirror._lock:
             mirror.served.append(rel)
             flip = rel in mirror._corrupt
