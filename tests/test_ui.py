@@ -17,7 +17,7 @@ import pytest
 from conftest import vllm_processes
 
 from flows.demo import BF16_REPO, INT4_REPO
-from testkit.browser import CHROMIUM, SHOTS
+from testkit.browser import CHROMIUM, SHOTS, chromium_page
 from testkit.prefect_processes import prefect_server
 
 
@@ -82,14 +82,9 @@ def test_a_deploy_reads_in_the_prefect_ui(ui_server, local_hub, tmp_path):
 
 def _read_in_browser(url: str, run: dict, summary_id: str, comparison_id: str) -> None:
     """What an engineer does: the run, its task runs and artifacts, the summary, the table, the history."""
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.set_default_timeout(30_000)
-
+    with chromium_page() as page:
         # The run page: its name, then its task runs and its artifacts.
         page.goto(f"{url}/runs/flow-run/{run['id']}")
         expect(page.get_by_text(run["name"]).first).to_be_visible()
@@ -131,4 +126,3 @@ def _read_in_browser(url: str, run: dict, summary_id: str, comparison_id: str) -
         expect(history).to_be_visible()
         assert history.evaluate("img => img.complete && img.naturalWidth") > 0
         page.screenshot(path=SHOTS / "history.png")
-        browser.close()
