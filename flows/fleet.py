@@ -35,7 +35,8 @@ def fleet_rollout(config: FleetConfig) -> list[HostOutcome]:
     for wave, hosts in enumerate(config.waves(), start=1):
         mirror = canary.mirror if wave > 1 else None
         logger.info("wave %d: %s", wave, ", ".join(h.name for h in hosts))
-        futures = [deploy_on_host.submit(host, wave, config.host_config(host, commit, mirror)) for host in hosts]
+        futures = [deploy_on_host.submit(host, wave, config.host_config(host, commit, mirror), config.pickup_deadline_s)
+                   for host in hosts]
         outcomes += [future.result() for future in futures]
         if not all(o.serving for o in outcomes):
             break

@@ -111,6 +111,12 @@ class RegressionError(RolloutError):
 
 
 # Fleet
+class HostUnreachable(RolloutError):
+    """A host's deployment could not run there: it is not registered, or no worker picked its run up."""
+
+    stage = "the hand-over to the host's worker"
+
+
 class FleetRolloutFailed(RolloutError):
     """A host of a fleet rollout did not end serving the new revision; the hosts after it were left
     as they were."""

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from prefect import get_run_logger, task
 from prefect.blocks.system import Secret
 from prefect.cache_policies import NO_CACHE
+from prefect.client.schemas.objects import FlowRun
 
 from tasks import artifacts
 from tasks.answers.check import AnswerBaseline, AnswerReport, check_answers
@@ -23,7 +25,7 @@ from tasks.bench.spec import BenchSpec
 from tasks.checkpoint.rules import ValidationReport, validate_checkpoint, validate_snapshot
 from tasks.deployment.config import DeployConfig
 from tasks.disk import DiskPlan, EvictionResult, check_plan, evict, plan_space
-from tasks.errors import GpuConfigError, ServerStartError, ValidationFailed
+from tasks.errors import GpuConfigError, HostUnreachable, ServerStartError, ValidationFailed, first_line
 from tasks.findings import Violation
 from tasks.fleet.hosts import FleetHost
 from tasks.fleet.rollout import HostOutcome
@@ -230,28 +232,57 @@ def measure_candidate(key: str, candidate: Candidate, server: ServerConfig, run_
 
 
 # The fleet
+def run_on_host(deployment: str, parameters: dict, pickup_deadline_s: float, tags: list[str] | None = None) -> FlowRun:
+    """Run a host's deployment on its worker and wait until the run ends.
+
+    A run that no worker has taken within `pickup_deadline_s` is cancelled: a host whose worker is
+    down fails its step in minutes, where waiting for the run would hold the rollout forever.
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.responses import SetStateStatus
+    from prefect.deployments import run_deployment
+    from prefect.exceptions import ObjectNotFound
+    from prefect.states import Cancelled
+
+    try:
+        run = run_deployment(deployment, parameters=parameters, timeout=0, tags=tags)
+    except ObjectNotFound as exc:
+        raise HostUnreachable(f"no deployment {deployment}; add the host to deployments/hosts.yaml, run `rollout "
+                              "deployments` and register them") from exc
+    deadline = time.monotonic() + pickup_deadline_s
+    with get_client(sync_client=True) as client:
+        while not (run.state and run.state.is_final()):
+            if run.state and run.state.is_scheduled() and time.monotonic() > deadline:
+                said = f"no worker took it within {pickup_deadline_s:g} s"
+                if client.set_flow_run_state(run.id, Cancelled(message=said)).status == SetStateStatus.ACCEPT:
+                    pool = client.read_deployment(run.deployment_id).work_pool_name
+                    raise HostUnreachable(f"{deployment}: {said}; is a worker polling work pool {pool} "
+                                          f"(`prefect worker start --pool {pool}`)? Run {run.name} was cancelled")
+            time.sleep(2)
+            run = client.read_flow_run(run.id)
+    return run
+
+
 @task(name="deploy-on-host", task_run_name="deploy on {host.name}", cache_policy=NO_CACHE)
-def deploy_on_host(host: FleetHost, wave: int, config: DeployConfig) -> HostOutcome:
+def deploy_on_host(host: FleetHost, wave: int, config: DeployConfig, pickup_deadline_s: float) -> HostOutcome:
     """Run the host's own deploy deployment on its work pool, wait for it, and read what it published.
 
     The child run is the host's whole deploy (fetch, validation, answer check, sweep, gate, rollback),
     run by that host's worker; this task only waits. Its failure is an outcome, not this task's.
     """
-    from prefect.deployments import run_deployment
-    from prefect.exceptions import ObjectNotFound
-
-    name = f"deploy-model/{host.name}"
     try:
-        run = run_deployment(name, parameters={"config": config.model_dump(mode="json")}, timeout=None,
-                             poll_interval=2, tags=[f"fleet-wave:{wave}"])
-    except ObjectNotFound:
-        return HostOutcome(host, wave, False, f"Failed: no deployment {name}; add the host to deployments/hosts.yaml, "
-                                              "run `rollout deployments` and register them")
+        run = run_on_host(f"deploy-model/{host.name}", {"config": config.model_dump(mode="json")}, pickup_deadline_s,
+                          tags=[f"fleet-wave:{wave}"])
+    except HostUnreachable as exc:
+        said = (f"Failed: {config.repo_id}@{config.revision[:12]} failed at {exc.stage}: {first_line(exc)}. "
+                "It serves what it served")
+        get_run_logger().error("%s: %s", host.name, said)
+        return HostOutcome(host, wave, False, said)
     verdict, record, fetched = artifacts.read_deploy_outcome(str(run.id), config.repo_id)
     state = run.state
     serving = bool(state and state.is_completed())
-    sources = {s: sum(r.get("source") == s for r in fetched) for s in ("hub", "mirror", "cache")}
     get_run_logger().info("%s: %s", host.name, verdict or (state.name if state else "no state"))
+    sources = {s: sum(r.get("source") == s for r in fetched) for s in ("hub", "mirror", "cache")}
     return HostOutcome(host, wave, serving, verdict or f"Failed: run ended {state.name if state else 'unknown'}",
                        str(run.id), record, sources,
                        [f"{r['file']}: {r['mirror_error']}" for r in fetched if r.get("mirror_error")])
@@ -261,18 +292,13 @@ def deploy_on_host(host: FleetHost, wave: int, config: DeployConfig) -> HostOutc
 @task(name="join-on-host", task_run_name="{action} on {host}", cache_policy=NO_CACHE)
 def join_on_host(host: str, config: DeployConfig, action: str = "join") -> None:
     """Run the host's `join-group/<host>` deployment on its worker and wait for it: "join" starts
-    vLLM headless there as its rank (fetching the model first), "leave" stops it."""
-    from prefect.deployments import run_deployment
-    from prefect.exceptions import ObjectNotFound
-
-    name = f"join-group/{host}"
+    vLLM headless there as its rank (fetching the model first), "leave" stops it. A worker gets the
+    group's start-up deadline to take the run."""
     try:
-        run = run_deployment(name, parameters={"config": config.model_dump(mode="json"), "leave": action == "leave"},
-                             timeout=None, poll_interval=2)
-    except ObjectNotFound as exc:
-        raise ServerStartError(f"secondary node {host}: no deployment {name}; add the host to "
-                               "deployments/hosts.yaml, run `rollout deployments` and register them",
-                               "group-incomplete", "") from exc
+        run = run_on_host(f"join-group/{host}", {"config": config.model_dump(mode="json"), "leave": action == "leave"},
+                          config.startup_timeout_s)
+    except HostUnreachable as exc:
+        raise ServerStartError(f"secondary node {host}: {exc}", "group-incomplete", "") from exc
     if not (run.state and run.state.is_completed()):
         raise ServerStartError(f"secondary node {host} did not {action} the group: its run {run.name} ended "
                                f"{run.state.name if run.state else 'without a state'}: "

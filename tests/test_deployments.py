@@ -5,18 +5,23 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from conftest import artifact
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import WorkPoolCreate
+from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName, FlowFilter, FlowFilterName
 from prefect.exceptions import ObjectAlreadyExists
 from prefect.settings import PREFECT_API_URL
 
 import flows.nightly
 from flows.demo import BF16_REPO, demo_config
+from flows.fleet import fleet_rollout
 from flows.nightly import nightly_refresh
+from tasks.errors import FleetRolloutFailed
+from tasks.fleet.hosts import FleetConfig, FleetHost
 from tasks.history.last_good import LastGood, write_last_good
 from tasks.hub import resolve_snapshot
 
@@ -24,7 +29,9 @@ pytestmark = pytest.mark.usefixtures("prefect_server")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_prefect_yaml_registers_the_nightly_and_redeploy_deployments():
+@pytest.fixture(scope="module")
+def registered(prefect_server):
+    """deployments/prefect.yaml registered as `prefect deploy --all` does it; no worker polls the pool."""
     with get_client(sync_client=True) as client:
         try:
             client.create_work_pool(WorkPoolCreate(name="gpu-box-1", type="process"))
@@ -35,6 +42,9 @@ def test_prefect_yaml_registers_the_nightly_and_redeploy_deployments():
                            "--prefect-file", "deployments/prefect.yaml"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_prefect_yaml_registers_the_nightly_and_redeploy_deployments(registered):
     with get_client(sync_client=True) as client:
         nightly = client.read_deployment_by_name("nightly-refresh/gpu-box-1")
         redeploy = client.read_deployment_by_name("deploy-model/gpu-box-1")
@@ -65,6 +75,26 @@ def test_prefect_yaml_registers_the_nightly_and_redeploy_deployments():
         schema = deployment.parameter_openapi_schema
         assert "Hugging Face model repo" in schema["definitions"]["DeployConfig"]["properties"]["repo_id"]["description"]
         assert schema["definitions"]["BenchSpec"]["properties"]["api"]["enum"] == ["completions", "chat"]
+
+
+def test_a_host_whose_worker_is_down_stops_the_fleet_at_its_pickup_deadline(registered, local_hub, tmp_path):
+    host = FleetHost(name="gpu-box-1", models_root=tmp_path / "models", gpu_type="cpu")
+    config = FleetConfig(deploy=demo_config(local_hub.endpoint, tmp_path / "models"), hosts=[host], pickup_deadline_s=3)
+    started = time.monotonic()
+    with pytest.raises(FleetRolloutFailed) as info:
+        fleet_rollout(config)
+    assert time.monotonic() - started < 60
+    pinned = f"{BF16_REPO}@{resolve_snapshot(BF16_REPO, 'main', local_hub.endpoint).commit[:12]}"
+    assert str(info.value) == (f"Stopped: {pinned} failed on gpu-box-1 in wave 1 (the canary): Failed: {pinned} "
+                               "failed at the hand-over to the host's worker")
+    fleet = artifact("fleet-demo-tiny-moe").data
+    assert "HostUnreachable: deploy-model/gpu-box-1: no worker took it within 3 s; is a worker polling work pool " \
+           "gpu-box-1 (`prefect worker start --pool gpu-box-1`)?" in fleet  # under "Why it stopped"
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["gpu-box-1"])),
+                                     flow_filter=FlowFilter(name=FlowFilterName(any_=["deploy-model"])))
+    assert [r.state.type.value for r in runs] == ["CANCELLED"]  # no worker will start it later, unasked
+    assert "| gpu-box-1 |" in fleet
 
 
 def test_nightly_on_an_unchanged_revision_downloads_and_starts_nothing(local_hub, tmp_path):

@@ -60,6 +60,8 @@ class FleetConfig(BaseModel):
     wave_size: int = Field(2, ge=1, description="Hosts deployed at once after the canary")
     outlier_slowdown: float = Field(0.2, gt=0, lt=1, description="A host this much slower than the median of its "
                                                                  "GPU type is flagged")
+    pickup_deadline_s: float = Field(600, gt=0, description="A host's deploy run that no worker has taken by then is "
+                                                            "cancelled and stops the rollout")
 
     def waves(self) -> list[list[FleetHost]]:
         rest = self.hosts[1:]
