@@ -164,7 +164,13 @@ def deploy_model(config: DeployConfig) -> DeployResult:
 
 def _deploy(config: DeployConfig, summary: DeploySummary) -> DeployResult:
     logger = get_run_logger()
-    if config.use_tuned and (tuned := read_tuned(config.run_dir, config.repo_id)) is not None:
+    tuned = read_tuned(config.run_dir, config.repo_id) if config.use_tuned else None
+    if tuned is not None and config.followers:
+        # A tune run measures one host; its layout would undo the group's (nnodes, ranks, addresses).
+        logger.warning("not serving with the settings a tune run promoted on %s (%s): they were measured on this "
+                       "host alone, and this deploy is a group over %d nodes", f"{tuned.time:%Y-%m-%d %H:%M}",
+                       tuned.candidate, len(config.followers) + 1)
+    elif tuned is not None:
         logger.info("serving with the settings a tune run promoted on %s: %s", f"{tuned.time:%Y-%m-%d %H:%M}",
                     tuned.candidate)
         config = config.model_copy(update={"vllm": tuned.settings})

@@ -26,7 +26,7 @@ from prefect.artifacts import (
 )
 
 from tasks.answers.check import AnswerReport
-from tasks.bench.report import finding_lines, headline_table
+from tasks.bench.report import finding_lines, headline_table, with_interval
 from tasks.bench.results import LevelResult
 from tasks.checkpoint.rules import ValidationReport
 from tasks.disk import GB, DiskPlan, EvictionResult, plan_summary
@@ -353,9 +353,6 @@ def _change(now: float | None, before: float | None) -> str:
 def _figures(record: RunRecord, last: RunRecord | None, knee_flags: str) -> list[str]:
     """The key figures beside the last good run's, with the change; ± is the 95% interval's half-width.
     A knee at a flagged level says so: its figure is not the server's alone."""
-    def tok_s(value: float | None, ci: tuple[float, float] | None) -> str:
-        return "-" if value is None else f"{value:,.1f}" + (f" ±{(ci[1] - ci[0]) / 2:,.1f}" if ci else "")
-
     def answers(r: RunRecord | None, what: str) -> float | None:
         return getattr(r.answers, what) if r and r.answers else None
 
@@ -365,17 +362,17 @@ def _figures(record: RunRecord, last: RunRecord | None, knee_flags: str) -> list
     def sig(value: float | None) -> str:
         return "-" if value is None else f"{value:.3g}"
 
-    rows = [("single stream, output tok/s", tok_s(record.single_stream_tok_s, record.single_stream_ci),
-             tok_s(last.single_stream_tok_s, last.single_stream_ci) if last else "-",
+    rows = [("single stream, output tok/s", with_interval(record.single_stream_tok_s, record.single_stream_ci),
+             with_interval(last.single_stream_tok_s, last.single_stream_ci) if last else "-",
              _change(record.single_stream_tok_s, last.single_stream_tok_s if last else None)),
-            ("peak (knee), output tok/s", tok_s(record.peak_tok_s, record.peak_ci)
+            ("peak (knee), output tok/s", with_interval(record.peak_tok_s, record.peak_ci)
              + (f" at c={record.knee_concurrency}" if record.knee_concurrency else "")
              + (f" ({knee_flags})" if knee_flags else ""),
-             (tok_s(last.peak_tok_s, last.peak_ci)
+             (with_interval(last.peak_tok_s, last.peak_ci)
               + (f" at c={last.knee_concurrency}" if last.knee_concurrency else ""))
              if last else "-", _change(record.peak_tok_s, last.peak_tok_s if last else None)),
-            ("p99 TTFT at the knee, ms", tok_s(record.p99_ttft_ms, record.p99_ttft_ci),
-             tok_s(last.p99_ttft_ms, last.p99_ttft_ci) if last else "-",
+            ("p99 TTFT at the knee, ms", with_interval(record.p99_ttft_ms, record.p99_ttft_ci),
+             with_interval(last.p99_ttft_ms, last.p99_ttft_ci) if last else "-",
              _change(record.p99_ttft_ms, last.p99_ttft_ms if last else None)),
             ("answer accuracy", pct(answers(record, "accuracy")), pct(answers(last, "accuracy")),
              _change(answers(record, "accuracy"), answers(last, "accuracy"))),

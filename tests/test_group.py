@@ -3,12 +3,13 @@ and the leader's rank check (the group on real vLLM CPU servers: tests/test_flee
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from tasks.deployment.config import DeployConfig
+from tasks.deployment.config import DeployConfig, Follower
 from tasks.errors import ServerStartError
 from tasks.vllm.command import build_command
 from tasks.vllm.process import ServerHandle
@@ -99,3 +100,38 @@ def test_a_secondary_node_is_left_alone_by_its_hosts_nightly_and_deploys(prefect
     finally:
         os.killpg(ranks.pid, signal.SIGKILL)
         ranks.wait()
+
+
+def test_a_group_deploy_keeps_its_layout_over_settings_a_tune_run_promoted(prefect_server, local_hub, tmp_path, caplog):
+    """A tune run measured one host: its winner (TP=1 + EP here) would have made the secondary node a
+    data-parallel rank instead of node 1 of a TP=2 group."""
+    from datetime import datetime, timezone
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName, FlowFilter, FlowFilterName
+    from prefect.exceptions import ObjectAlreadyExists
+
+    from flows.demo import BF16_REPO, demo_config
+    from flows.deploy import deploy_model
+    from flows.group import join_group
+    from tasks.history.tuned import TunedSettings, write_tuned
+
+    with get_client(sync_client=True) as client:
+        with contextlib.suppress(ObjectAlreadyExists):
+            client.create_work_pool(WorkPoolCreate(name="host-z", type="process"))
+    join_group.to_deployment(name="host-z").apply(work_pool_name="host-z")  # no worker polls host-z
+    config = demo_config(local_hub.endpoint, tmp_path / "models", tensor_parallel_size=2, enable_expert_parallel=False,
+                         nnodes=2, master_addr="127.0.0.1", startup_timeout_s=3,
+                         followers=[Follower(host="host-z", models_root=tmp_path / "z")])
+    write_tuned(config.run_dir, TunedSettings(repo_id=BF16_REPO, settings=config.vllm.model_copy(update=dict(
+        tensor_parallel_size=1, enable_expert_parallel=True, nnodes=1, master_addr=None, max_num_seqs=2)),
+        candidate="TP=1 + EP, max_num_seqs=2", time=datetime.now(timezone.utc)))
+    with pytest.raises(ServerStartError, match="secondary node host-z: join-group/host-z: no worker took it within 3"):
+        deploy_model(config)
+    assert "not serving with the settings a tune run promoted" in caplog.text
+    with get_client(sync_client=True) as client:
+        joins = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["join-group"])),
+                                      deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["host-z"])))
+    asked = joins[0].parameters["config"]["vllm"]
+    assert (asked["nnodes"], asked["node_rank"], asked["tensor_parallel_size"]) == (2, 1, 2)

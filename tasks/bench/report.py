@@ -28,10 +28,11 @@ def bench_table(results: list[LevelResult]) -> pd.DataFrame:
     return pd.DataFrame([r.model_dump() for r in results]).sort_values("concurrency").reset_index(drop=True)
 
 
-def _interval(value: float | None, ci: tuple[float, float] | None, digits: int) -> str:
+def with_interval(value: float | None, ci: tuple[float, float] | None, digits: int = 1) -> str:
+    """A figure as a reader takes it in: "2,276.0 ±95.3", the 95% interval's half-width after ±."""
     if value is None:
         return "-"
-    return f"{value:.{digits}f}" + (f" ±{(ci[1] - ci[0]) / 2:.{digits}f}" if ci else "")
+    return f"{value:,.{digits}f}" + (f" ±{(ci[1] - ci[0]) / 2:,.{digits}f}" if ci else "")
 
 
 def _p99(latency: Latency) -> str:
@@ -49,12 +50,12 @@ def headline_table(results: list[LevelResult]) -> pd.DataFrame:
             "concurrency": r.concurrency,
             "measured": f"{r.measured}/{r.requests}",
             "window s": f"{r.window:.1f}",
-            "output tok/s": _interval(r.output_throughput, r.output_throughput_ci, 1),
-            "TTFT median ms": _interval(r.ttft.median, r.ttft.median_ci, 1),
+            "output tok/s": with_interval(r.output_throughput, r.output_throughput_ci, 1),
+            "TTFT median ms": with_interval(r.ttft.median, r.ttft.median_ci, 1),
             "TTFT p99 ms": _p99(r.ttft),
-            "TPOT median ms": _interval(r.tpot.median, r.tpot.median_ci, 2),
-            "ITL median ms": _interval(r.itl.median, r.itl.median_ci, 2),
-            "E2E median ms": _interval(r.e2el.median, r.e2el.median_ci, 1),
+            "TPOT median ms": with_interval(r.tpot.median, r.tpot.median_ci, 2),
+            "ITL median ms": with_interval(r.itl.median, r.itl.median_ci, 2),
+            "E2E median ms": with_interval(r.e2el.median, r.e2el.median_ci, 1),
             "tok/s per GPU": f"{r.output_throughput_per_gpu:.1f}" if r.output_throughput_per_gpu else None,
             "tok/J": f"{r.output_tokens_per_joule:.2f}" if r.output_tokens_per_joule else None,
             "flags": r.flags,
@@ -123,10 +124,10 @@ def verdict_lines(results: list[LevelResult], stop: str | None) -> list[str]:
     single = next((r for r in results if r.concurrency == 1), None)
     lines = []
     if single is not None:
-        lines.append(f"- **Single stream:** {_interval(single.output_throughput, single.output_throughput_ci, 1)}"
+        lines.append(f"- **Single stream:** {with_interval(single.output_throughput, single.output_throughput_ci)}"
                      " output tok/s")
     if best is not None:
-        lines.append(f"- **Peak (knee):** {_interval(best.output_throughput, best.output_throughput_ci, 1)} output "
+        lines.append(f"- **Peak (knee):** {with_interval(best.output_throughput, best.output_throughput_ci)} output "
                      f"tok/s at concurrency {best.concurrency}" + (f" ({best.flags})" if best.flags else ""))
     else:
         lines.append("- **Peak (knee):** none: no level met the SLO")
