@@ -80,7 +80,7 @@ def test_demo_deploys_benchmarks_and_publishes(tmp_path):
     stored = json.loads(table.data) if isinstance(table.data, str) else table.data
     assert [r["concurrency"] for r in stored] == levels
     for kept, measured in zip(stored, rows):  # a level with no steady state has no interval to show
-        assert kept["output tok/s"].startswith(f"{measured.output_throughput:.1f}")
+        assert kept["output tok/s"].startswith(f"{measured.output_throughput:,.1f}")
         assert ("±" in kept["output tok/s"]) == (measured.output_throughput_ci is not None)
     assert all(value is not None for r in stored for value in r.values())  # no always-empty column
 
