@@ -30,19 +30,20 @@ def limit_name(host: str | None = None) -> str:
     return "vllm-host-" + re.sub(r"[^a-z0-9-]+", "-", host.lower()).strip("-")
 
 
-def ensure_limit(name: str) -> None:
-    """Create the limit on first use. Read first: a create that collides is refused by the server
-    with an IntegrityError traceback in its log (the demo's output, on the embedded server)."""
+def _taken(name: str) -> bool:
+    """Whether another deploy holds the host's slot. The limit is created on first use; read first,
+    since a create that collides is refused by the server with an IntegrityError traceback in its
+    log (the demo's output, on the embedded server)."""
     with get_client(sync_client=True) as client:
         try:
-            client.read_global_concurrency_limit_by_name(name)
-            return
+            limit = client.read_global_concurrency_limit_by_name(name)
         except ObjectNotFound:
-            pass
-        try:  # two deploys starting at once may both find none
-            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
-        except ObjectAlreadyExists:
-            pass
+            try:  # two deploys starting at once may both find none
+                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+            except ObjectAlreadyExists:
+                pass
+            return False
+    return limit.active_slots >= limit.limit
 
 
 @contextmanager
@@ -53,7 +54,6 @@ def host_lock(host: str | None = None, wait_s: float = 5.0) -> Iterator[str]:
     workers polling) the server took more than 5 s to grant a free slot, and the host was called busy.
     """
     name = limit_name(host)
-    ensure_limit(name)
     deadline = time.monotonic() + wait_s
     while _taken(name):
         if time.monotonic() > deadline:
@@ -66,12 +66,6 @@ def host_lock(host: str | None = None, wait_s: float = 5.0) -> Iterator[str]:
         except TimeoutError as exc:  # another deploy took the slot between the look and the grant
             raise _busy(name) from exc
         yield name
-
-
-def _taken(name: str) -> bool:
-    with get_client(sync_client=True) as client:
-        limit = client.read_global_concurrency_limit_by_name(name)
-    return limit.active_slots >= limit.limit
 
 
 def _busy(name: str) -> HostBusyError:

@@ -281,8 +281,8 @@ def deploy_on_host(host: FleetHost, wave: int, config: DeployConfig, pickup_dead
     verdict, record, fetched = artifacts.read_deploy_outcome(str(run.id), config.repo_id)
     state = run.state
     serving = bool(state and state.is_completed())
-    get_run_logger().info("%s: %s", host.name, verdict or (state.name if state else "no state"))
     sources = {s: sum(r.get("source") == s for r in fetched) for s in ("hub", "mirror", "cache")}
+    get_run_logger().info("%s: %s", host.name, verdict or (state.name if state else "no state"))
     return HostOutcome(host, wave, serving, verdict or f"Failed: run ended {state.name if state else 'unknown'}",
                        str(run.id), record, sources,
                        [f"{r['file']}: {r['mirror_error']}" for r in fetched if r.get("mirror_error")])
