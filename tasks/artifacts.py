@@ -196,9 +196,11 @@ def publish_hardware(gpu: GpuProbe, plan: HardwarePlan, findings: list[Violation
 
 
 def publish_server_failure(err: ServerStartError, repo_id: str, suffix: str = "") -> None:
+    """The cause, what to try next (before the log, so nobody has to read the log to know it) and the tail."""
+    step = f"**Next step:** {err.next_step}\n\n" if getattr(err, "next_step", "") else ""
     create_markdown_artifact(
         key=f"server-failure-{model_slug(repo_id)}{suffix}",
-        markdown=f"# vLLM failed to start\n\n**Cause:** `{err.cause}`\n\n{err}\n\n```\n{err.log_tail}\n```\n",
+        markdown=f"# vLLM failed to start\n\n**Cause:** `{err.cause}`\n\n{step}{err}\n\n```\n{err.log_tail}\n```\n",
         description=f"vLLM start-up failure: {err.cause}",
     )
 

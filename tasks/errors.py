@@ -80,14 +80,16 @@ class HostBusyError(RolloutError):
 
 
 class ServerStartError(RolloutError):
-    """vLLM did not become ready; `cause` is a stable id, `log_tail` the last lines it wrote."""
+    """vLLM did not become ready; `cause` is a stable id, `log_tail` the last lines it wrote, `next_step`
+    what to change before the next try (empty where nothing better than the message can be said)."""
 
     stage = "the vLLM start"
 
-    def __init__(self, message: str, cause: str, log_tail: str):
+    def __init__(self, message: str, cause: str, log_tail: str, next_step: str = ""):
         super().__init__(message)
         self.cause = cause
         self.log_tail = log_tail
+        self.next_step = next_step
 
 
 # Benchmark

@@ -82,8 +82,11 @@ def test_every_typed_field_reaches_the_command_line():
     [
         ("api_server.py: error: unrecognized arguments: --disable-log-requests", "invalid-argument"),
         ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", "out-of-memory"),
-        ("ValueError: To serve at least one request with the models's max seq len (262144), (17.16 GiB KV cache is "
-         "needed, which is larger than the maximum number of tokens that can be stored in KV cache", "kv-cache-too-small"),
+        # vllm-project/vllm#34076, as an RTX 5070 Ti + 5090 D pipeline-parallel start logged it
+        (("ValueError: To serve at least one request with the models's max seq len (262144), (24.0 GiB KV cache is "
+          "needed, which is larger than the available KV cache memory (3.18 GiB). Based on the available memory, the "
+          "estimated maximum model length is 34736. Try increasing `gpu_memory_utilization` or decreasing "
+          "`max_model_len` when initializing the engine."), "kv-cache-too-small"),
         ("RuntimeError: NCCL error: unhandled system error", "nccl"),
         ("ValueError: No WNA16 MoE backend supports the deployment configuration", "unsupported-model"),
         ("OSError: [Errno 98] Address already in use", "port-in-use"),

@@ -10,16 +10,19 @@ from pathlib import Path
 import httpx
 
 from tasks.errors import ServerStartError
-from tasks.vllm.log import PROGRESS, classify_failure, log_tail, server_facts
+from tasks.vllm.log import PROGRESS, classify_failure, log_tail, next_step, server_facts
 from tasks.vllm.process import ServerHandle, reap_stale, start_server, stop_server
 from tasks.vllm.settings import ServerConfig
 
 
 def _failed(handle: ServerHandle, what: str, cause: str | None = None) -> ServerStartError:
+    """The error names the cause and the line that shows it in one line (logs and the CLI show first lines);
+    what to try next rides along for the failure artifact."""
     full = handle.log_path.read_text(errors="replace") if handle.log_path.exists() else ""
     found, line = classify_failure(full)
     cause = cause or found
-    return ServerStartError(f"vLLM {what} ({cause}): {line[:300]}", cause, log_tail(handle.log_path))
+    return ServerStartError(f"vLLM {what} ({cause}): {line[:300]}", cause, log_tail(handle.log_path),
+                            next_step=next_step(cause, full))
 
 
 def _follow(path: Path, offset: int, report: Callable[[str], None]) -> int:

@@ -1,0 +1,181 @@
+"""The failure classifier, the next step and the start-up facts against real vLLM logs from GPU machines.
+
+Every fixture under tests/fixtures/vllm_logs is quoted from the public vLLM issue or pull request its first
+line cites; a failure's expected cause is in its file name (`<cause>-<number>.log`). Lines starting with
+"# " are that citation, not log. Pure unit tests: no server is started.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tasks.vllm.log import classify_failure, failure_cause, next_step, server_facts
+
+CORPUS = Path(__file__).parent / "fixtures" / "vllm_logs"
+FAILURES = sorted((CORPUS / "failures").glob("*.log"))
+HEALTHY = sorted((CORPUS / "healthy").glob("*.log"))
+CITATION = re.compile(r"# https://github\.com/vllm-project/vllm/(?:issues|pull)/(\d+): \S")
+SCORE_TO_KEEP = 0.9
+
+
+def quoted(path: Path) -> str:
+    """The log as quoted, without the citation."""
+    return "\n".join(line for line in path.read_text().splitlines() if not line.startswith("# "))
+
+
+def expected_cause(path: Path) -> str:
+    return path.stem.rsplit("-", 1)[0]
+
+
+def fixture(name: str) -> str:
+    return quoted(next(p for p in FAILURES + HEALTHY if p.name == name))
+
+
+def test_the_corpus_is_real_cited_and_large_enough():
+    assert len(FAILURES) >= 30 and len(HEALTHY) >= 6
+    for path in FAILURES + HEALTHY:
+        first = path.read_text().splitlines()[0]
+        m = CITATION.match(first)
+        assert m, f"{path.name}: the first line must cite the vLLM issue it quotes"
+        assert path.stem.endswith(f"-{m[1]}"), f"{path.name} cites #{m[1]}"
+        assert quoted(path).strip(), path.name
+
+
+@pytest.mark.parametrize("path", FAILURES, ids=[p.name for p in FAILURES])
+def test_each_failure_is_classified(path):
+    cause, line = classify_failure(quoted(path))
+    assert cause == expected_cause(path), f"{path.name}: {cause} from {line!r}"
+    assert line in quoted(path)
+
+
+def test_corpus_score(capsys):
+    right = [p for p in FAILURES if classify_failure(quoted(p))[0] == expected_cause(p)]
+    score = len(right) / len(FAILURES)
+    with capsys.disabled():
+        print(f"\nclassifier: {len(right)}/{len(FAILURES)} = {score:.1%} right")
+    assert score >= SCORE_TO_KEEP, sorted(set(FAILURES) - set(right))
+
+
+@pytest.mark.parametrize("path", HEALTHY, ids=[p.name for p in HEALTHY])
+def test_a_healthy_start_up_has_no_failure_cause(path):
+    assert classify_failure(quoted(path)) == ("exited", "no error line in the log")
+    assert failure_cause(quoted(path)) is None
+
+
+def test_warnings_vllm_works_around_are_not_the_cause():
+    """A start that failed without a named error, after vLLM warned that a CUDA graph mode is "not
+    supported" (#27521's line), is the engine's failure, not the model's."""
+    log = fixture("healthy-27521.log") + "\n" + fixture("engine-failed-25653.log")
+    cause, line = classify_failure(log)
+    assert (cause, line[-27:]) == ("engine-failed", "EngineCore failed to start.")
+
+
+def test_the_engines_error_is_preferred_over_the_api_servers_wrapper():
+    log = fixture("kv-cache-too-small-34076.log") + "\n" + fixture("engine-failed-27508.log")
+    cause, line = classify_failure(log)
+    assert cause == "kv-cache-too-small" and line.startswith("(EngineCore_DP0 pid=1094) ValueError: To serve")
+
+
+def test_of_interleaved_ranks_the_exception_line_is_shown():
+    cause, line = classify_failure(fixture("cuda-kernel-error-53773.log"))
+    assert cause == "cuda-kernel-error"
+    assert line == ("(Worker_TP7 pid=3840595) torch.AcceleratorError: CUDA error: an illegal memory access was "
+                    "encountered")
+
+
+def test_a_negative_kv_cache_is_too_small_a_cache():
+    cause, line = classify_failure(fixture("kv-cache-too-small-23278.log"))
+    assert cause == "kv-cache-too-small"
+    assert line == ("(EngineCore_0 pid=5839) INFO 08-20 18:04:22 [gpu_worker.py:276] Available KV cache memory: "
+                    "-2.14 GiB")
+
+
+# Start-up facts, on the healthy GPU logs; the numbers are the fixtures' own.
+def test_facts_of_a_complete_single_gpu_start():
+    assert server_facts(fixture("healthy-19794.log")) == {
+        "kv_cache_tokens": "251,920", "kv_cache_requests": "6.15x", "engine_init_s": "44.51", "graph_capture_s": "14",
+        "torch_compile_s": "18.40", "kv_cache_memory_gib": "26.91"}
+
+
+def test_facts_of_loading():
+    assert server_facts(fixture("healthy-38820.log")) == {"weights_load_s": "24.84", "model_load_s": "31.657031"}
+    facts = server_facts(fixture("healthy-29335.log"))
+    assert facts["model_load_s"] == "27.200487" and facts["kv_cache_memory_gib"] == "33.31"
+    assert facts["kv_cache_tokens"] == "1,587,648"
+
+
+@pytest.mark.parametrize("name, seconds", [
+    ("healthy-10941.log", "14.73"),  # "graph compilation takes 14.73 s in total" (Dec 2024)
+    ("healthy-29335.log", "19.69"),  # "torch.compile takes 19.69 s in total"
+    ("healthy-40641.log", "16.77"),  # "torch.compile took 16.77 s in total" (2026), the larger of two compiles
+])
+def test_torch_compile_time_in_each_wording(name, seconds):
+    assert server_facts(fixture(name))["torch_compile_s"] == seconds
+
+
+def test_of_several_ranks_the_slowest_is_taken():
+    # TP=4 with EP: the ranks logged 14.45, 13.56 and 14.62 s
+    assert server_facts(fixture("healthy-25848.log")) == {"torch_compile_s": "14.62"}
+    # two engine starts in one quote: 15.08 and 40.77 s
+    assert server_facts(fixture("healthy-10941.log"))["engine_init_s"] == "40.77"
+
+
+def test_kv_cache_memory_may_be_negative():
+    assert server_facts(fixture("kv-cache-too-small-23278.log"))["kv_cache_memory_gib"] == "-2.14"
+    assert server_facts(fixture("healthy-39559.log"))["kv_cache_memory_gib"] == "6.9"
+
+
+# What to try next, with the log's numbers.
+def test_next_step_for_a_kv_cache_too_small_gives_needed_available_and_what_fits():
+    step = next_step("kv-cache-too-small", fixture("kv-cache-too-small-34076.log"))
+    assert "24.0 GiB" in step and "3.18 GiB" in step and "--max-model-len to 34736" in step
+    assert "--gpu-memory-utilization" in step
+
+
+def test_next_step_for_the_older_kv_cache_message_and_a_negative_cache():
+    step = next_step("kv-cache-too-small", fixture("kv-cache-too-small-13061.log"))
+    assert "131072" in step and "--max-model-len to 81536" in step and "--gpu-memory-utilization" in step
+    step = next_step("kv-cache-too-small", fixture("kv-cache-too-small-23278.log"))
+    assert "-2.14 GiB" in step and "--gpu-memory-utilization" in step and "tensor parallelism" in step
+
+
+def test_next_step_for_out_of_memory():
+    step = next_step("out-of-memory", fixture("out-of-memory-20305.log"))
+    assert "31.44 of 47.38 GiB free" in step and "--gpu-memory-utilization to 0.66" in step
+    step = next_step("out-of-memory", fixture("out-of-memory-31273.log"))
+    assert "80.00 MiB with 60.69 MiB of 139.72 GiB free" in step
+    assert "--max-num-seqs" in step and "--tensor-parallel-size" in step
+
+
+def test_next_step_for_the_other_causes():
+    assert "--max-model-len 513" in next_step("max-model-len-too-long", fixture("max-model-len-too-long-19660.log"))
+    assert "lower it to 512" in next_step("max-model-len-too-long", fixture("max-model-len-too-long-19660.log"))
+    assert "(--config)" in next_step("invalid-argument", fixture("invalid-argument-8273.log"))
+    assert "compute capability" in next_step("cuda-kernel-error", fixture("cuda-kernel-error-14452.log"))
+    assert "--enforce-eager" in next_step("cuda-kernel-error", fixture("cuda-kernel-error-26558.log"))
+    assert "PIECEWISE" in next_step("cuda-graph-capture", fixture("cuda-graph-capture-48749.log"))
+    for path in FAILURES:
+        assert next_step(expected_cause(path), quoted(path)), path.name
+    assert next_step("exited", "")
+
+
+def test_a_failed_start_carries_its_next_step_into_the_error_and_the_artifact(tmp_path, monkeypatch):
+    from tasks import artifacts
+    from tasks.vllm.process import ServerHandle
+    from tasks.vllm.readiness import _failed
+
+    log = tmp_path / "vllm.log"
+    log.write_text(fixture("kv-cache-too-small-34076.log") + "\n" + fixture("engine-failed-27508.log") + "\n")
+    handle = ServerHandle(pid=1, pgid=1, base_url="http://127.0.0.1:1", log_path=log, state_file=tmp_path / "s.json",
+                          command=["vllm", "serve"])
+    err = _failed(handle, "exited with code 1 during start-up")
+    assert err.cause == "kv-cache-too-small" and "\n" not in str(err)
+    assert "--max-model-len to 34736" in err.next_step
+    shown = {}
+    monkeypatch.setattr(artifacts, "create_markdown_artifact", lambda **kw: shown.update(kw))
+    artifacts.publish_server_failure(err, "org/model")
+    assert shown["key"] == "server-failure-" + artifacts.model_slug("org/model")
+    assert f"**Next step:** {err.next_step}" in shown["markdown"]
