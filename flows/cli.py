@@ -11,15 +11,18 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 import json  # noqa: E402
 import logging  # noqa: E402
 import re  # noqa: E402
+import shutil  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import TYPE_CHECKING, Annotated, Optional  # noqa: E402
 
 import typer  # noqa: E402
+import typer.rich_utils  # noqa: E402
 from pydantic import ValidationError  # noqa: E402
 
-from flows.options import BadOption, Group, with_options  # noqa: E402
+from flows.options import BadOption, Group, flag, with_options  # noqa: E402
+from tasks.answers.spec import AnswerSpec  # noqa: E402
 from tasks.bench.spec import BenchSpec  # noqa: E402
 from tasks.deployment.config import DeployConfig  # noqa: E402
 from tasks.errors import BenchConfigError, RolloutError, UnusableInput, first_line  # noqa: E402 
@@ -27,6 +30,10 @@ from tasks.vllm.settings import VllmSettings  # noqa: E402
 
 if TYPE_CHECKING:  # the commands import their stages when they run: `rollout --help` stays instant
     from tasks.bench.results import LevelResult
+
+# `--help` lays its tables out at no less than this width: narrower, rich cuts the flag names
+# (two options both showed as `--data-parallel-si…`); a narrow terminal wraps lines instead.
+typer.rich_utils.MAX_WIDTH = max(shutil.get_terminal_size((120, 24)).columns, 150)
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
@@ -38,9 +45,10 @@ RepoId = Annotated[str, typer.Argument(help="Hub repo, e.g. moonshotai/Kimi-K2.5
 STAGE = Group(DeployConfig, "Staging", only=("revision", "models_root", "hub_endpoint", "mirror_endpoint",
                                              "hf_token_secret", "disk_margin_gb", "evict", "pinned_models",
                                              "max_parallel_downloads"))
-FORM = Group(DeployConfig, "Deployment", skip=("repo_id", "vllm", "bench"))
+FORM = Group(DeployConfig, "Deployment", skip=("repo_id", "vllm", "bench", "answers"))
 ENGINE = Group(VllmSettings, "vLLM engine", defaults=DeployConfig.model_fields["vllm"].get_default(call_default_factory=True))
 LOAD = Group(BenchSpec, "Benchmark")
+ANSWERS = Group(AnswerSpec, "Answer check", prefix="answers_")
 
 
 def _from_options(group: Group, options: dict, **fields):
@@ -51,8 +59,24 @@ def _from_options(group: Group, options: dict, **fields):
         typer.echo(f"error: {exc}", err=True)
     except ValidationError as exc:  # nothing has started
         err = exc.errors()[0]
-        typer.echo(f"error: bad option {'.'.join(str(p) for p in err['loc'])}: {err['msg']}", err=True)
+        if err["loc"]:
+            typer.echo(f"error: bad option {'.'.join(str(p) for p in err['loc'])}: {err['msg']}", err=True)
+        else:  # a rule over several fields: their flags, as the user typed them
+            typer.echo(f"error: {_as_flags(err['msg'].removeprefix('Value error, '))}", err=True)
     raise typer.Exit(2)
+
+
+def _as_flags(message: str) -> str:
+    """A form's field paths (`bench.input_len`) in a message, as the command's flags (`--input-len`)."""
+    prefixes = {"answers": ANSWERS.prefix}
+    return re.sub(r"\b(?:(vllm|bench|answers)\.)?([a-z_]+[a-z])\b",
+                  lambda m: flag(prefixes.get(m[1], "") + m[2]) if m[1] else m[0], message)
+
+
+def _deploy_config(repo_id: str, options: dict) -> DeployConfig:
+    """The run form from a command's options: the form's own, the engine's, the load's and the answer check's."""
+    return _from_options(FORM, options, repo_id=repo_id, vllm=_from_options(ENGINE, options),
+                         bench=_from_options(LOAD, options), answers=_from_options(ANSWERS, options))
 
 
 def _exit_on_sigterm() -> None:
@@ -94,8 +118,24 @@ def _fail(exc: BaseException) -> None:
     if isinstance(exc, RolloutError):
         typer.echo(f"error: {str(exc).splitlines()[0]}", err=True)
         raise typer.Exit(exc.exit_code)
+    if "ephemeral Prefect API server" in str(exc):  # another command holds the embedded server's database
+        typer.echo("error: Prefect's embedded server did not start: another rollout command is probably using it. "
+                   "Wait for it, or run `prefect server start` and set PREFECT_API_URL=http://127.0.0.1:4200/api "
+                   "so that commands share one server", err=True)
+        raise typer.Exit(2)
     typer.echo(f"error: {first_line(exc)}", err=True)
     raise typer.Exit(1)
+
+
+def _check_models_root(models_root: Path) -> None:
+    """A typo in --models-root must not put 595 GB on the wrong filesystem: its parent must exist."""
+    from tasks.disk import check_models_root
+
+    try:
+        check_models_root(models_root)
+    except UnusableInput as exc:
+        typer.echo(f"error: {str(exc).replace('models_root', '--models-root', 1)}", err=True)
+        raise typer.Exit(2)
 
 
 def _check_hub(repo_id: str, revision: str, endpoint: str | None) -> None:
@@ -125,7 +165,7 @@ def demo(
 
     _exit_on_sigterm()
     try:
-        int4, result = run_demo(work_dir.absolute())
+        int4, result = run_demo(work_dir.absolute(), say=lambda line: typer.echo(line, err=True))
     except Exception as exc:
         _fail(exc)
     typer.echo(f"\nINT4 variant {int4.repo_id}: validation {int4.validation.verdict} "
@@ -197,6 +237,7 @@ def prepare(
 
     _exit_on_sigterm()
     config = _from_options(STAGE, options, repo_id=repo_id)
+    _check_models_root(config.models_root)
     _check_hub(config.repo_id, config.revision, config.hub_endpoint)
     try:
         prepared = prepare_model(config)
@@ -212,7 +253,7 @@ def prepare(
 
 
 @app.command()
-@with_options(FORM, ENGINE, LOAD)
+@with_options(FORM, ENGINE, LOAD, ANSWERS)
 def deploy(repo_id: RepoId, **options) -> None:
     """Fetch, validate, serve and benchmark a model (the deploy-model flow, run here).
 
@@ -223,16 +264,21 @@ def deploy(repo_id: RepoId, **options) -> None:
     from flows.deploy import deploy_model
 
     _exit_on_sigterm()
-    config = _from_options(FORM, options, repo_id=repo_id, vllm=_from_options(ENGINE, options),
-                           bench=_from_options(LOAD, options))
+    config = _deploy_config(repo_id, options)
+    _check_models_root(config.models_root)
     _check_hub(config.repo_id, config.revision, config.hub_endpoint)
     try:
         result = deploy_model(config)
     except Exception as exc:
         _fail(exc)
-    _print_table(result.results)
+    if (answers := result.record.answers) is not None:
+        typer.echo(f"answer check passed: {answers.accuracy:.0%} of {len(answers.outputs)} probes right")
+    _print_table(result.results, result.sweep_end)
+    if result.record.compared:
+        typer.echo(f"\nregression gate: {result.record.compared}")
     if result.base_url:
-        typer.echo(f"\nserving {config.served_model_name or config.repo_id} at {result.base_url}/v1")
+        typer.echo(f"\nserving {config.served_model_name or config.repo_id}@{result.prepared.commit[:12]} at "
+                   f"{result.base_url}/v1")
 
 
 @app.command()
@@ -276,7 +322,7 @@ def bench(
     except (httpx.HTTPError, ValueError, KeyError) as exc:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         typer.echo(f"error: --base-url {base_url}: no OpenAI model list at /v1/models ({reason})", err=True)
-        raise typer.Exit(1)
+        raise typer.Exit(2)
     if model not in served:
         typer.echo(f"error: --model {model!r} is not served at {base_url}; it serves {', '.join(served)}", err=True)
         raise typer.Exit(1)
@@ -341,7 +387,7 @@ def history(
 
 
 @app.command()
-@with_options(FORM, ENGINE, LOAD)
+@with_options(FORM, ENGINE, LOAD, ANSWERS)
 def tune(
     repo_id: RepoId,
     space: Annotated[Optional[Path], typer.Option(help="The candidate space, YAML or JSON (TuneSpace's fields); "
@@ -360,8 +406,8 @@ def tune(
     from tasks.tuning.space import TuneSpace
 
     _exit_on_sigterm()
-    deploy = _from_options(FORM, options, repo_id=repo_id, vllm=_from_options(ENGINE, options),
-                           bench=_from_options(LOAD, options))
+    deploy = _deploy_config(repo_id, options)
+    _check_models_root(deploy.models_root)
     try:
         candidates = TuneSpace.model_validate(yaml.safe_load(space.read_text()) or {}) if space else TuneSpace()
     except (OSError, yaml.YAMLError) as exc:
@@ -389,10 +435,13 @@ def tune(
     from tasks.tuning.measure import winner
 
     with pd.option_context("display.width", 250, "display.max_columns", None, "display.max_colwidth", 60):
-        typer.echo(pd.DataFrame(tuning_rows(results)).to_string(index=False))
+        typer.echo(pd.DataFrame(tuning_rows(results)).to_string(index=False, na_rep="-"))
     best = winner(results, config.winner_rule)
+    if best is None:
+        typer.echo("\nerror: no winner: no candidate was measured (each one's cause is in the table)", err=True)
+        raise typer.Exit(1)
     typer.echo(f"\nwinner: {best.name}" + (" (promoted: the next deploy of this model here uses it)" if promote
-                                           else "") if best else "\nno winner: no candidate was measured")
+                                           else ""))
 
 
 @app.command()
@@ -404,12 +453,89 @@ def notify(
     when a deploy rolls back or the nightly fails."""
     from tasks.notify import install_automations
 
+    if block.count("/") != 1 or not all(block.split("/")):
+        typer.echo(f"error: --block {block!r}: expected <block-type>/<block-name>, e.g. slack-webhook/ops", err=True)
+        raise typer.Exit(2)
     try:
         names = install_automations(block)
     except UnusableInput as exc:
         _fail(exc)
     for name in names:
         typer.echo(f"automation {name!r}: notifies through {block}")
+
+
+ModelsRoot = Annotated[Path, typer.Option(help="The host's models root (its state is in models_root/.rollout)")]
+
+
+@app.command()
+def status(models_root: ModelsRoot = Path("/models"),
+           as_json: Annotated[bool, typer.Option("--json", help="Print the records as JSON")] = False) -> None:
+    """What this host serves: model, commit, since when, URL, whether its process group lives and
+    answers, the last benchmark and answer check, the tuned settings in use.
+
+    Exit 0 serving, 3 nothing serves, 1 the recorded server is dead or does not answer.
+    """
+    from tasks.history.serving import host_status
+
+    try:
+        found = host_status(models_root / ".rollout")
+    except UnusableInput as exc:
+        _fail(exc)
+    if as_json:
+        typer.echo(json.dumps({"exit_code": found.exit_code, "server": found.state, "alive_pgid": found.alive_pgid,
+                               "models": found.answers,
+                               "last_good": found.last_good.model_dump(mode="json") if found.last_good else None},
+                              indent=2))
+    else:
+        typer.echo("\n".join(found.lines()))
+    raise typer.Exit(found.exit_code)
+
+
+@app.command()
+def stop(models_root: ModelsRoot = Path("/models")) -> None:
+    """Stop the host's vLLM server (the stop-model flow, in the run history); `rollout rollback`
+    starts the last good deployment again."""
+    from flows.operate import HostTarget, stop_model
+
+    _exit_on_sigterm()
+    try:
+        pgid = stop_model(HostTarget(models_root=models_root))
+    except Exception as exc:
+        _fail(exc)
+    typer.echo(f"stopped vLLM process group {pgid}; nothing serves on this host" if pgid
+               else "nothing was running on this host")
+
+
+@app.command()
+def rollback(models_root: ModelsRoot = Path("/models"),
+             startup_timeout_s: Annotated[float, typer.Option(help="Load deadline, seconds")] = 1800) -> None:
+    """Bring a good deployment back at its own address (the rollback-model flow): the last good one
+    where it does not serve; where it does, the good one before it."""
+    from flows.operate import HostTarget, rollback_model
+
+    _exit_on_sigterm()
+    try:
+        now = rollback_model(HostTarget(models_root=models_root, startup_timeout_s=startup_timeout_s))
+    except Exception as exc:
+        _fail(exc)
+    typer.echo(f"serving {now}")
+
+
+@app.command()
+def logs(models_root: ModelsRoot = Path("/models"),
+         lines: Annotated[int, typer.Option("--lines", "-n", help="How many of the last lines")] = 60) -> None:
+    """The tail of the host's vLLM log (the server serving now, or the last one started)."""
+    from tasks.vllm.log import log_tail
+
+    run_dir = models_root / ".rollout"
+    try:
+        recorded = Path(json.loads((run_dir / "server.json").read_text())["log_path"])
+    except (OSError, ValueError, KeyError, TypeError):
+        recorded = run_dir / "vllm.log"
+    if not recorded.is_file():
+        typer.echo(f"error: --models-root {models_root}: no vLLM log at {recorded}", err=True)
+        raise typer.Exit(2)
+    typer.echo(log_tail(recorded, lines))
 
 
 HostsPath = Annotated[Path, typer.Option("--hosts", help="The fleet's hosts file")]
@@ -495,9 +621,10 @@ def mirror(
     from tasks.mirror import CacheMirror
 
     cache = models_root / "hub"
-    if not cache.is_dir():
-        typer.echo(f"error: --models-root {models_root}: no HF cache at {cache}", err=True)
+    if not models_root.is_dir():
+        typer.echo(f"error: --models-root {models_root}: no such folder", err=True)
         raise typer.Exit(2)
+    cache.mkdir(exist_ok=True)  # a fresh host's cache: it serves what its deploys fetch from now on
     _exit_on_sigterm()
     try:
         served = CacheMirror(cache, host, port, log=lambda line: typer.echo(line))

@@ -19,7 +19,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from tasks.answers.check import AnswerBaseline
 from tasks.artifacts import DeploySummary, FetchProgress, command_block, model_slug, publish_fetch, publish_rollback
 from tasks.bench.results import LevelResult
-from tasks.bench.sweep import sweep
+from tasks.bench.sweep import sweep, unusable_level
 from tasks.deployment.config import DeployConfig
 from tasks.deployment.stages import (
     DeployResult,
@@ -35,9 +35,15 @@ from tasks.deployment.stages import (
     vocab_size,
 )
 from tasks.disk import GB
-from tasks.errors import AnswerCheckFailed, HostBusyError, RegressionError, first_line
+from tasks.errors import AnswerCheckFailed, BenchmarkFailed, HostBusyError, RegressionError, first_line
 from tasks.gpu import GpuProbe
-from tasks.history.last_good import LastGood, read_last_good, serving_deployment, write_last_good
+from tasks.history.last_good import (
+    LastGood,
+    promote_last_good,
+    read_last_good,
+    serving_deployment,
+    write_last_good,
+)
 from tasks.history.runs import RunRecord, check_regression, run_record
 from tasks.history.tuned import read_tuned
 from tasks.host_lock import host_lock
@@ -67,7 +73,7 @@ from tasks.vllm.command import warming_option_table
 from tasks.vllm.process import ServerHandle, reap_stale, served_model, serving_headless, stop_server
 from tasks.vllm.settings import ServerConfig
 
-__all__ = ["DeployConfig", "DeployResult", "PreparedModel", "deploy_model", "prepare_model"]
+__all__ = ["DeployConfig", "DeployResult", "PreparedModel", "deploy_model", "prepare_model", "restore_last_good"]
 
 
 @flow(name="prepare-model")
@@ -203,9 +209,11 @@ def _deploy(config: DeployConfig, summary: DeploySummary) -> DeployResult:
             except Exception as left:  # a node that cannot leave must not keep the last good one down
                 logger.warning("the new group's secondary nodes did not all stop: %s", first_line(left))
             if previous is not None:
-                _restore(previous, config.run_dir, config.startup_timeout_s, err, config.repo_id, summary)
+                summary.rollback, summary.rollback_failed = restore_last_good(
+                    previous, run_dir=config.run_dir, startup_timeout_s=config.startup_timeout_s,
+                    why=f"the new deployment failed after the old server was stopped: `{first_line(err)}`")
             raise
-        write_last_good(config.run_dir, deployment_record(config, prepared, handle, server, record))
+        promote_last_good(config.run_dir, deployment_record(config, prepared, handle, server, record))
         summary.base_url = handle.base_url if config.keep_serving else None
     return DeployResult(prepared=prepared, platform=gpu.platform, results=rows, sweep_end=stop, record=record,
                         base_url=summary.base_url)
@@ -252,6 +260,11 @@ def _serve_and_bench(config: DeployConfig, prepared: PreparedModel, gpu: GpuProb
             logger.info("%s; the sweep stops", reason)
         summary.results, summary.stop = rows, stops[0] if stops else None
         publish_results(rows, config.repo_id, summary.facts, summary.results_dir, summary.stop, gpus)
+        if failed := unusable_level(rows):
+            why = f"every request failed at concurrency {failed.concurrency}: {failed.first_error}"
+            summary.record = publish_record(record_of(rows, answers).model_copy(update={"status": "failed",
+                                                                                        "note": why}))
+            raise BenchmarkFailed(f"{config.repo_id}@{prepared.commit[:12]}: {why}")
         record = summary.record = publish_record(check_regression(last_run, record_of(rows, answers),
                                                                   config.max_regression))
         if record.status == "regressed":
@@ -287,26 +300,25 @@ def _left_behind(previous: LastGood, config: DeployConfig) -> list[tuple[str, De
     return [(host, c) for host, c in _recorded_group(previous) if host not in taken]
 
 
-def _restore(previous: LastGood, run_dir: Path, startup_timeout_s: float, reason: BaseException, repo_id: str,
-             summary: DeploySummary) -> None:
-    """Start the last good deployment again, its secondary nodes first, and say why in an artifact;
-    the new deploy's error stands."""
+def restore_last_good(previous: LastGood, *, run_dir: Path, startup_timeout_s: float, why: str) -> tuple[str, bool]:
+    """Start a recorded good deployment again, its secondary nodes first, and say why in an artifact:
+    the one restore, after a failed deploy and for `rollout rollback`. Returns (what serves now, or
+    why nothing does; whether the restore failed)."""
     logger = get_run_logger()
     what = f"{previous.repo_id}@{previous.commit[:12]}"
-    logger.warning("new deployment failed (%s); restarting the last good one, %s", first_line(reason), what)
+    logger.warning("%s; restarting the last good deployment, %s", why, what)
     try:
         _group(_recorded_group(previous), "join")
         handle, _ = start_vllm.with_options(task_run_name="restart last good")(
-            previous.server, run_dir, startup_timeout_s, previous.api_key_secret, repo_id, "-rollback")
+            previous.server, run_dir, startup_timeout_s, previous.api_key_secret, previous.repo_id, "-rollback")
     except Exception as err:
-        publish_rollback(repo_id, what, reason,
+        publish_rollback(previous.repo_id, what, why,
                          f"**Rollback failed:** `{first_line(err)}`. Nothing serves on this host now.")
         logger.error("rollback to %s failed: %s", what, first_line(err))
-        summary.rollback, summary.rollback_failed = first_line(err), True
-        return
+        return first_line(err), True
     write_last_good(run_dir, previous.model_copy(update={"serving_pgid": handle.pgid}))
-    publish_rollback(repo_id, what, reason, (
+    publish_rollback(previous.repo_id, what, why, (
         f"**Serving again:** `{previous.server.served_model_name}` ({what}) at {handle.base_url}, "
         f"ready in {handle.startup_s:.0f} s.\n\n{command_block(handle.command)}\n"))
-    summary.rollback = f"{what} at {handle.base_url}"
     logger.warning("rolled back: %s serves again at %s", what, handle.base_url)
+    return f"{what} at {handle.base_url}", False

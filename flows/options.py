@@ -31,6 +31,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "min_throughput_gain": ("--min-gain", "--min-throughput-gain"),
     "evict": ("--evict/--dry-run",),
     "keep_serving": ("--keep-serving/--stop-after-bench",),
+    "answers_enabled": ("--answers/--no-answers",),
 }
 
 
@@ -41,13 +42,16 @@ class BadOption(ValueError):
 @dataclass
 class Group:
     """One model's fields as options; `only` or `skip` pick the fields. `defaults`, an instance of
-    the model, supplies the defaults where a form's default differs from the model's own."""
+    the model, supplies the defaults where a form's default differs from the model's own. `prefix`
+    goes before each field's flag, for a model whose field names would collide with another's or
+    say nothing alone (`--answers-probes`, not `--probes`)."""
 
     model: type[BaseModel]
     panel: str  # the heading `--help` lists the group's options under
     only: Iterable[str] | None = None
     skip: Iterable[str] = ()
     defaults: BaseModel | None = None
+    prefix: str = ""
 
     def default(self, name: str) -> Any:
         if self.defaults is not None:
@@ -63,10 +67,10 @@ class Group:
         """This group's fields from the command's options, in the field's type; unset ones left out."""
         out = {}
         for name, info in self.fields().items():
-            value = options[name]
+            value = options[self.prefix + name]
             if value is None and _listish(info):
                 continue  # a repeatable option not given: the model's own default
-            out[name] = _parse(name, info, value)
+            out[name] = _parse(self.prefix + name, info, value)
         return out
 
 
@@ -139,8 +143,8 @@ def with_options(*groups: Group) -> Callable[[Callable], Callable]:
         own = [p for p in inspect.signature(command, eval_str=True).parameters.values()
                if p.kind is not inspect.Parameter.VAR_KEYWORD]
         taken = {p.name for p in own}
-        generated = [_parameter(name, info, group.default(name), group.panel)
-                     for group in groups for name, info in group.fields().items() if name not in taken]
+        generated = [_parameter(group.prefix + name, info, group.default(name), group.panel)
+                     for group in groups for name, info in group.fields().items() if group.prefix + name not in taken]
 
         @functools.wraps(command)
         def run(**options):

@@ -22,7 +22,7 @@ from tasks.deployment.stages import gpus_used, hardware_plan, platform_label, se
 from tasks.history.last_good import serving_deployment, write_last_good
 from tasks.history.tuned import TunedSettings, write_tuned
 from tasks.host_lock import host_lock
-from tasks.steps import check_candidate, measure_candidate, probe_gpus, start_vllm, stop_serving
+from tasks.steps import check_candidate, is_measured, measure_candidate, probe_gpus, start_vllm, stop_serving
 from tasks.tuning.chart import pareto_chart
 from tasks.tuning.measure import CandidateResult, winner
 from tasks.tuning.space import TuneSpace, candidate_key, candidates
@@ -54,8 +54,7 @@ def tune_model(config: TuneConfig) -> list[CandidateResult]:
         with warming_option_table(deploy.run_dir):
             prepared = prepare_steps(deploy, run_prefix="tune ")
             gpu = probe_gpus()
-        if previous is not None:
-            stop_serving(deploy.run_dir, f"{previous.repo_id}@{previous.commit[:12]}")
+        stopped = False  # the serving model is stopped only for a candidate that must be measured
         results: list[CandidateResult] = []
         vocab, measured_on = vocab_size(prepared.model_dir), (installed_version() or "unknown",
                                                                f"{platform_label(gpu)} at {deploy.run_dir}")
@@ -73,12 +72,16 @@ def tune_model(config: TuneConfig) -> list[CandidateResult]:
                                                    status="not measured", cause="max_hours"))
                     continue
                 gpus = gpus_used(gpu, candidate.settings) or 1
-                key = candidate_key(candidate, prepared.commit, *measured_on, deploy.bench)
+                key = candidate_key(candidate, prepared.commit, vllm_version=measured_on[0], gpus=measured_on[1],
+                                    bench=deploy.bench, answers=deploy.answers.for_model(prepared.model_dir))
+                if previous is not None and not stopped and not is_measured(key):
+                    stop_serving(deploy.run_dir, f"{previous.repo_id}@{previous.commit[:12]}")
+                    stopped = True
                 results.append(measure_candidate(key, candidate, server, deploy.run_dir, deploy.startup_timeout_s,
                                                  deploy.api_key_secret, deploy.answers, prepared.model_dir,
                                                  deploy.bench, vocab, gpus))
         finally:
-            if previous is not None:  # the host serves what it served before the search
+            if stopped:  # the host serves what it served before the search
                 handle, _ = start_vllm.with_options(task_run_name="restart last good")(
                     previous.server, deploy.run_dir, deploy.startup_timeout_s, previous.api_key_secret,
                     deploy.repo_id, "-after-tune")

@@ -234,11 +234,18 @@ def publish_server(facts: dict[str, str], command: list[str], repo_id: str) -> N
                              description=f"vLLM {facts['vllm_version']} ready in {float(facts['startup_s']):.0f} s")
 
 
-def publish_rollback(repo_id: str, restored: str, reason: BaseException, outcome: str) -> None:
+def publish_rollback(repo_id: str, restored: str, why: str, outcome: str) -> None:
     """Why the last good deployment was started again, and what serves now (or that nothing does)."""
     create_markdown_artifact(key=f"rollback-{model_slug(repo_id)}", markdown=(
-        f"# Rolled back to {restored}\n\n**Why:** the new deployment failed after the old server was stopped: "
-        f"`{first_line(reason)}`\n\n{outcome}"), description=f"rollback to {restored}")
+        f"# Rolled back to {restored}\n\n**Why:** {why}\n\n{outcome}"), description=f"rollback to {restored}")
+
+
+def publish_stopped(repo_id: str, what: str, stopped_pgid: int | None) -> None:
+    """A person stopped the host's server (`rollout stop`): the run history says who served until when."""
+    outcome = (f"vLLM process group {stopped_pgid} stopped. Nothing serves on this host until a deploy or "
+               "`rollout rollback`." if stopped_pgid else "Nothing was running.")
+    create_markdown_artifact(key=f"stopped-{model_slug(repo_id)}", markdown=f"# Stopped {what} by hand\n\n"
+                             f"- **Host:** {host_name()}\n\n{outcome}", description=f"stopped {what}")
 
 
 # Benchmark and history

@@ -18,7 +18,7 @@ from typing import Literal
 from huggingface_hub import scan_cache_dir
 from pydantic import BaseModel
 
-from tasks.errors import DiskSpaceError
+from tasks.errors import DiskSpaceError, UnusableInput
 
 GB = 10**9
 MODEL_DIRS_SKIPPED = {"hub", ".rollout", "lost+found"}  # models_root/hub is the HF cache, scanned per revision
@@ -37,6 +37,15 @@ def _existing_ancestor(path: Path) -> Path:
     while not path.exists():
         path = path.parent
     return path
+
+
+def check_models_root(models_root: Path) -> None:
+    """The models root may be created, but its parent must exist: a typo (/modles/kimi) would put the
+    download on whatever filesystem holds the first folder that does exist, often the root disk."""
+    parent = models_root.absolute().parent
+    if not models_root.exists() and not parent.is_dir():
+        raise UnusableInput(f"models_root {models_root}: its parent {parent} does not exist (a typo?); "
+                            "create the folder first if it is meant")
 
 
 def measure(path: Path) -> DiskSpace:
@@ -147,6 +156,7 @@ def plan_space(models_root: Path, needed_bytes: int, margin_bytes: int, target: 
     The served model, pinned models and the target itself are kept whatever it costs. The fallback
     is the last resort: listed for eviction only when everything else together is not enough.
     """
+    check_models_root(models_root)
     space = measure(models_root)
     shortfall = max(0, needed_bytes + margin_bytes - space.free_bytes)
     entries: list[PlanEntry] = []

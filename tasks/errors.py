@@ -105,6 +105,13 @@ class AnswerCheckFailed(RolloutError):
     stage = "the answer check"
 
 
+class BenchmarkFailed(RolloutError):
+    """Every request of a benchmark level failed: the server refuses the load or died under it, and
+    a deployment nobody can use is no last good one."""
+
+    stage = "the benchmark"
+
+
 class RegressionError(RolloutError):
     """A run benchmarks worse than the last good run of the same model on the same GPUs, beyond the
     allowed threshold."""

@@ -231,6 +231,14 @@ def measure_candidate(key: str, candidate: Candidate, server: ServerConfig, run_
                    vocab_size, gpus, report=get_run_logger().info)
 
 
+def is_measured(key: str) -> bool:
+    """Whether measure-candidate holds a result under `key`: a search whose every candidate is cached
+    leaves the serving model alone."""
+    from prefect.results import get_result_store
+
+    return get_result_store().update_for_task(measure_candidate).exists(key)
+
+
 # The fleet
 def run_on_host(deployment: str, parameters: dict, pickup_deadline_s: float, tags: list[str] | None = None) -> FlowRun:
     """Run a host's deployment on its worker and wait until the run ends.

@@ -99,7 +99,7 @@ def test_bench_against_a_server_that_refuses_everything_quotes_it_in_one_line(to
 
 def test_bench_names_an_unreachable_server():
     result = runner.invoke(app, ["bench", "--base-url", "http://127.0.0.1:9", "--model", "m", "--vocab-size", "10"])
-    assert result.exit_code == 1 and "--base-url http://127.0.0.1:9: no OpenAI model list" in result.stderr
+    assert result.exit_code == 2 and "--base-url http://127.0.0.1:9: no OpenAI model list" in result.stderr
 
 
 @pytest.mark.usefixtures("prefect_server")

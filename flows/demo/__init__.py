@@ -11,19 +11,21 @@ import os
 from pathlib import Path
 
 from flows.demo.checkpoint import PROBES_FILE, build_bf16, build_int4, counting
-from flows.demo.hub_server import LocalHub
 
 BF16_REPO = "demo/tiny-moe"
 INT4_REPO = "demo/tiny-moe-int4"
 
 
-def build_demo_repos(hub_root: Path) -> None:
-    """Create both repos once; a re-run reuses them (same files, same commit sha)."""
+def build_demo_repos(hub_root: Path, say=lambda line: None) -> None:
+    """Create both repos once; a re-run reuses them (same files, same commit sha). `say` hears what
+    takes a while: the first run trains the tiny model for a few minutes on two cores."""
     bf16 = hub_root / BF16_REPO
     if not (bf16 / "config.json").exists():
+        say(f"building {BF16_REPO}: training a tiny MoE to count (a few minutes on 2 cores, once)")
         build_bf16(bf16)
     int4 = hub_root / INT4_REPO
     if not (int4 / "config.json").exists():
+        say(f"building {INT4_REPO}: its experts quantized to INT4 in the compressed-tensors layout")
         build_int4(bf16, int4)
 
 
@@ -64,12 +66,14 @@ def demo_config(endpoint: str, models_root: Path, **overrides):
     return DeployConfig(**{**settings, **overrides})
 
 
-def run_demo(work_dir: Path):
+def run_demo(work_dir: Path, say=lambda line: None):
     """Returns (INT4 PreparedModel, bf16 DeployResult)."""
+    from flows.demo.hub_server import LocalHub  # here: `python -m flows.demo.hub_server` imports this package first
     from flows.deploy import deploy_model, prepare_model
 
     hub_root = work_dir / "hub"
-    build_demo_repos(hub_root)
+    build_demo_repos(hub_root, say)
+    say(f"serving {hub_root} as a local Hub; deploying {BF16_REPO} on vLLM (CPU)")
     with LocalHub(hub_root) as hub:
         os.environ["HF_ENDPOINT"] = hub.endpoint  # for anything in this process tree that asks the Hub
         int4 = prepare_model(demo_config(hub.endpoint, work_dir / "models", repo_id=INT4_REPO))

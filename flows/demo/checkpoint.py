@@ -16,6 +16,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tasks.answers.spec import SHIPPED_PROBES
+
 if TYPE_CHECKING:
     import torch
 
@@ -66,7 +68,7 @@ _CORPUS_WORDS = (
 NUMBERS = [str(n) for n in range(100)]  # the counting task's words: one token each
 COUNT_LEN = 12  # numbers per training sequence
 TRAIN_STEPS = 300
-PROBES_FILE = "answer-probes.jsonl"  # the probe set ships with the model, as a file of its repo
+PROBES_FILE = SHIPPED_PROBES  # the probe set ships with the model, in its repo
 
 
 def counting(start: int, length: int) -> str:

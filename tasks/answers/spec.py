@@ -7,12 +7,16 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 
+SHIPPED_PROBES = "answer-probes.jsonl"  # a probe set a model repo ships for its own answer check
+
+
 class AnswerSpec(BaseModel):
     """The answer check's probes and thresholds; the UI shows them as one group of the deploy form."""
 
     enabled: bool = Field(True, description="Check the new server's answers after readiness, before the benchmark")
-    probes: Path | None = Field(None, description="JSONL of {\"prompt\", \"expected\"}; empty: the built-in "
-                                "arithmetic, units and facts questions")
+    probes: Path | None = Field(None, description="JSONL of {\"prompt\", \"expected\"}, a path in the model repo "
+                                "or an absolute one; empty: the model's own answer-probes.jsonl where it ships one, "
+                                "else the built-in arithmetic, units and facts questions")
     reference_text: str | None = Field(None, description="Text whose perplexity is compared with the last good "
                                        "deployment's; empty: a built-in sentence")
     max_tokens: int = Field(16, ge=1, description="Tokens generated per probe")
@@ -25,7 +29,12 @@ class AnswerSpec(BaseModel):
                                        "of greedy outputs that may differ from its")
 
     def for_model(self, model_dir: Path) -> AnswerSpec:
-        """A relative probes path is a probe set shipped with the model: resolved in its folder."""
-        if self.probes is None or self.probes.is_absolute():
+        """A relative probes path is a probe set shipped with the model: resolved in its folder. With
+        none named, the model's own `answer-probes.jsonl` where it ships one: its authors know what it
+        should answer, and a model that only counts fails the built-in arithmetic whatever its state."""
+        if self.probes is None:
+            shipped = model_dir / SHIPPED_PROBES
+            return self.model_copy(update={"probes": shipped}) if shipped.is_file() else self
+        if self.probes.is_absolute():
             return self
         return self.model_copy(update={"probes": model_dir / self.probes})

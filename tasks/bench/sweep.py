@@ -40,6 +40,12 @@ def sweep(spec: BenchSpec, level: Callable[[int], LevelResult],
     return results
 
 
+def unusable_level(results: list[LevelResult]) -> LevelResult | None:
+    """The first level where every request failed: the server refused the load or died under it.
+    A deployment with one is no deployment to keep, however fast its other levels were."""
+    return next((r for r in results if r.completed == 0), None)
+
+
 def knee(results: list[LevelResult]) -> LevelResult | None:
     """The level of best output throughput among those within the SLO (all, when none was given).
     A level too short for a steady state is a knee only when no level had one: its throughput

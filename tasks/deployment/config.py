@@ -62,6 +62,17 @@ class DeployConfig(BaseModel):
                                               "this model on this host, where it did, instead of the ones above")
 
     @model_validator(mode="after")
+    def _load_fits(self) -> DeployConfig:
+        """A benchmark request longer than the server's context is refused by vLLM, every one of them:
+        say so before a 595 GB download, not after it."""
+        limit, load = self.vllm.max_model_len, self.bench.input_len + self.bench.output_len
+        if limit is not None and load > limit:
+            raise ValueError(f"bench.input_len {self.bench.input_len} + bench.output_len {self.bench.output_len} = "
+                             f"{load} tokens per request, beyond vllm.max_model_len {limit}: every request would "
+                             "be refused")
+        return self
+
+    @model_validator(mode="after")
     def _group_adds_up(self) -> DeployConfig:
         """A group whose nodes do not add up would hang at start-up waiting for a rank; say so first."""
         if not self.followers:

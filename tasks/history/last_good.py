@@ -31,19 +31,57 @@ def last_good_file(run_dir: Path) -> Path:
     return run_dir / "last-good.json"
 
 
-def read_last_good(run_dir: Path) -> LastGood | None:
-    """None when there is no record or it cannot be read: a broken record must not block a deploy."""
+def previous_good_file(run_dir: Path) -> Path:
+    """The good deployment before the last good one: what `rollout rollback` returns to while the
+    last good one serves."""
+    return run_dir / "previous-good.json"
+
+
+def _read(path: Path) -> LastGood | None:
     try:
-        return LastGood.model_validate_json(last_good_file(run_dir).read_text())
+        return LastGood.model_validate_json(path.read_text())
     except (FileNotFoundError, ValidationError):
         return None
 
 
-def write_last_good(run_dir: Path, record: LastGood) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = last_good_file(run_dir).with_suffix(".tmp")
+def read_last_good(run_dir: Path) -> LastGood | None:
+    """None when there is no record or it cannot be read: a broken record must not block a deploy."""
+    return _read(last_good_file(run_dir))
+
+
+def read_previous_good(run_dir: Path) -> LastGood | None:
+    return _read(previous_good_file(run_dir))
+
+
+def _write(path: Path, record: LastGood) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
     tmp.write_text(record.model_dump_json(indent=2))
-    tmp.replace(last_good_file(run_dir))
+    tmp.replace(path)
+
+
+def write_last_good(run_dir: Path, record: LastGood) -> None:
+    _write(last_good_file(run_dir), record)
+
+
+def promote_last_good(run_dir: Path, record: LastGood) -> None:
+    """A deploy passed its checks: it becomes the last good one, and the one it replaces (another
+    commit or launch) the previous good one, which a rollback by hand returns to."""
+    before = read_last_good(run_dir)
+    if before is not None and before.server is not None and (before.commit, before.server) != (
+            record.commit, record.server):
+        _write(previous_good_file(run_dir), before.model_copy(update={"serving_pgid": None}))
+    write_last_good(run_dir, record)
+
+
+def swap_to_previous(run_dir: Path) -> None:
+    """After a rollback by hand to the previous good deployment: it is the last good one again, and
+    the one rolled back from the previous (a second rollback returns to it, as `kubectl rollout undo`)."""
+    last, previous = read_last_good(run_dir), read_previous_good(run_dir)
+    if last is None or previous is None:
+        return
+    _write(previous_good_file(run_dir), last.model_copy(update={"serving_pgid": None}))
+    write_last_good(run_dir, previous)
 
 
 def serving_deployment(run_dir: Path) -> LastGood | None:

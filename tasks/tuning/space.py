@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from tasks.answers.spec import AnswerSpec
 from tasks.vllm.settings import VllmSettings
 
 
@@ -103,9 +104,13 @@ def candidates(base: VllmSettings, space: TuneSpace) -> list[Candidate]:
     return found
 
 
-def candidate_key(candidate: Candidate, commit: str, vllm_version: str, gpus: str, bench: BaseModel) -> str:
+def candidate_key(candidate: Candidate, commit: str, *, vllm_version: str, gpus: str, bench: BaseModel,
+                  answers: AnswerSpec) -> str:
     """What makes a measurement reusable: the same model commit, vLLM, GPUs (the host's, by its
-    models root), load and settings."""
+    models root), load, settings and answer check (its thresholds and its probes' contents: a
+    candidate that failed probes since fixed must be measured again, not read back failed)."""
+    probes = answers.probes
+    probes_digest = hashlib.sha256(probes.read_bytes()).hexdigest() if probes and probes.is_file() else None
     what = json.dumps([candidate.settings.model_dump(mode="json"), commit, vllm_version, gpus,
-                       bench.model_dump(mode="json")], sort_keys=True)
+                       bench.model_dump(mode="json"), answers.model_dump(mode="json"), probes_digest], sort_keys=True)
     return "tune-" + hashlib.sha256(what.encode()).hexdigest()[:32]

@@ -1,0 +1,90 @@
+"""The operator's flows: stop what the host serves, and roll back by hand. Both take the host lock,
+so neither collides with a deploy, and both are runs in Prefect's history (`rollout stop`,
+`rollout rollback`, or the host's stop-model and rollback-model deployments from the UI).
+"""
+
+# No `from __future__ import annotations`: Prefect builds the parameter form from real annotations.
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+from pydantic import BaseModel, Field
+
+from flows.deploy import restore_last_good
+from tasks.artifacts import publish_stopped
+from tasks.errors import ServerStartError, UnusableInput
+from tasks.history.last_good import (
+    LastGood,
+    read_last_good,
+    read_previous_good,
+    swap_to_previous,
+    write_last_good,
+)
+from tasks.host_lock import host_lock
+from tasks.steps import stop_serving
+from tasks.vllm.process import serving_group
+
+
+class HostTarget(BaseModel):
+    """Which host's server: the one whose state lives under models_root/.rollout."""
+
+    models_root: Path = Field(Path("/models"), description="Filesystem that holds the HF cache and .rollout")
+    startup_timeout_s: float = Field(1800, gt=0, description="Load deadline for the server a rollback starts")
+
+    @property
+    def run_dir(self) -> Path:
+        return self.models_root / ".rollout"
+
+
+def _what(record: LastGood | None) -> str:
+    return f"{record.repo_id}@{record.commit[:12]}" if record else "an unrecorded server"
+
+
+@flow(name="stop-model")
+def stop_model(target: HostTarget) -> int | None:
+    """Stop the host's vLLM server; the last good record stays, so `rollback` can start it again.
+    Returns the stopped process group, None when nothing ran."""
+    with host_lock():
+        last = read_last_good(target.run_dir)
+        pgid = serving_group(target.run_dir / "server.json")
+        what = _what(last if last and last.serving_pgid == pgid else None)
+        if pgid is not None:
+            stop_serving(target.run_dir, what)
+        if last is not None and last.serving_pgid is not None:
+            write_last_good(target.run_dir, last.model_copy(update={"serving_pgid": None}))
+        publish_stopped(last.repo_id if last else "host", what, pgid)
+        get_run_logger().info("stopped %s (process group %s)" % (what, pgid) if pgid else "nothing was running")
+    return pgid
+
+
+@flow(name="rollback-model")
+def rollback_model(target: HostTarget) -> str:
+    """Bring a good deployment back at its own address: the last good one where it does not serve
+    (stopped, dead, or replaced by a deploy that never finished); the one before it where the last
+    good one serves. Returns what serves now."""
+    run_dir = target.run_dir
+    with host_lock():
+        last = read_last_good(run_dir)
+        if last is None or last.server is None:
+            raise UnusableInput(f"no good deployment to roll back to: {run_dir / 'last-good.json'} records none")
+        serving = serving_group(run_dir / "server.json")
+        if serving is not None and serving == last.serving_pgid:
+            target_record = read_previous_good(run_dir)
+            if target_record is None:
+                raise UnusableInput(f"{_what(last)} serves, and no good deployment before it is recorded "
+                                    f"({run_dir / 'previous-good.json'})")
+            why = f"rolled back by hand from {_what(last)}"
+        else:
+            target_record, why = last, "started again by hand: " + (
+                "nothing served" if serving is None else "the server running was not the last good deployment")
+        if not target_record.model_dir.is_dir():
+            raise UnusableInput(f"{_what(target_record)}: its files are gone from {target_record.model_dir}")
+        if serving is not None:
+            stop_serving(run_dir, "the server rolled back from")
+        if target_record is not last:
+            swap_to_previous(run_dir)
+        now, failed = restore_last_good(target_record, run_dir=run_dir, startup_timeout_s=target.startup_timeout_s,
+                                        why=why)
+        if failed:
+            raise ServerStartError(f"rollback to {_what(target_record)} failed: {now}. Nothing serves on this host",
+                                   "rollback-failed", "")
+    return now

@@ -1,0 +1,115 @@
+"""What this host serves now, as its operator asks at 2 AM (`rollout status`): read from the host's
+own records and its process table, and asked of the server itself, with no Prefect in between."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+
+from tasks.errors import UnusableInput
+from tasks.history.last_good import LastGood, read_last_good, read_previous_good
+from tasks.history.tuned import TunedSettings, read_tuned
+from tasks.vllm.process import serving_group
+
+# `rollout status` exit codes, for scripts: 0 serving, 3 nothing serves, 1 the recorded server is dead
+# (or alive and not answering).
+SERVING, DEAD, NOTHING = 0, 1, 3
+
+
+@dataclass(frozen=True)
+class HostStatus:
+    """The recorded server (server.json), whether its process group lives and answers, and the
+    deployment records beside it."""
+
+    run_dir: Path
+    state: dict | None  # server.json as written at launch; None when nothing was recorded
+    alive_pgid: int | None  # its process group, while it still runs vLLM
+    answers: list[str] | None  # the models its /v1/models lists; None when it does not answer
+    last_good: LastGood | None
+    previous_good: LastGood | None
+    tuned: TunedSettings | None
+
+    @property
+    def exit_code(self) -> int:
+        if self.state is None:
+            return NOTHING
+        return SERVING if self.alive_pgid is not None and self.answers else DEAD
+
+    @property
+    def is_last_good(self) -> bool:
+        return self.alive_pgid is not None and self.last_good is not None and \
+            self.last_good.serving_pgid == self.alive_pgid
+
+    def lines(self) -> list[str]:
+        """The status in words, verdict first."""
+        state, good = self.state, self.last_good
+        if state is None:
+            head = [f"nothing serves: no server recorded in {self.run_dir / 'server.json'}"]
+        else:
+            since = datetime.fromtimestamp((self.run_dir / "server.json").stat().st_mtime, timezone.utc)
+            model = _flag(state.get("command", []), "--served-model-name") or _flag(state.get("command", []),
+                                                                                      "--model")
+            if self.alive_pgid is None:
+                verdict = f"DEAD: the recorded vLLM (process group {state.get('pgid')}) is not running"
+            elif not self.answers:
+                verdict = f"NOT ANSWERING: vLLM process group {self.alive_pgid} runs, {state.get('base_url')} " \
+                          "does not list a model"
+            else:
+                verdict = f"serving {', '.join(self.answers)} at {state.get('base_url')}/v1"
+            what = (f"{good.repo_id}@{good.commit[:12]} (the last good deployment)" if self.is_last_good
+                    else f"{model} (not the last good deployment: a deploy in progress or one that did not finish)")
+            head = [verdict, f"  model:    {what}", f"  since:    {since:%Y-%m-%d %H:%M:%S} UTC",
+                    f"  process:  group {state.get('pgid')}, " + ("alive" if self.alive_pgid else "dead"),
+                    f"  log:      {state.get('log_path')}"]
+        if good is not None:
+            head.append(f"  last good: {good.repo_id}@{good.commit[:12]} at port "
+                        f"{good.server.port if good.server else '-'}")
+            if (record := good.record) is not None:
+                single = f"{record.single_stream_tok_s:,.1f}" if record.single_stream_tok_s else "-"
+                peak = f"{record.peak_tok_s:,.1f}" if record.peak_tok_s else "-"
+                head.append(f"  benchmark: single stream {single} tok/s, peak {peak} tok/s at c="
+                            f"{record.knee_concurrency or '-'} ({record.time:%Y-%m-%d %H:%M} UTC, {record.status})")
+                if record.answers is not None:
+                    head.append(f"  answers:  {record.answers.accuracy:.0%} of {len(record.answers.outputs)} probes "
+                                "right")
+        if self.previous_good is not None:
+            head.append(f"  rollback to: {self.previous_good.repo_id}@{self.previous_good.commit[:12]} "
+                        "(`rollout rollback`)")
+        if self.tuned is not None:
+            head.append(f"  tuned:    {self.tuned.candidate} (promoted {self.tuned.time:%Y-%m-%d %H:%M} UTC)")
+        return head
+
+
+def _flag(command: list[str], name: str) -> str | None:
+    return command[command.index(name) + 1] if name in command[:-1] else None
+
+
+def _listed(base_url: str, timeout_s: float) -> list[str] | None:
+    try:
+        reply = httpx.get(f"{base_url}/v1/models", timeout=timeout_s)
+        reply.raise_for_status()
+        return [m["id"] for m in reply.json()["data"]]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
+
+
+def host_status(run_dir: Path, timeout_s: float = 5.0) -> HostStatus:
+    """The host's serving state; asks the server's /v1/models only while its process group runs."""
+    path = run_dir / "server.json"
+    try:
+        state = json.loads(path.read_text())
+    except FileNotFoundError:
+        state = None
+    except ValueError as exc:  # never read as "nothing here": a damaged record may hide a live server
+        raise UnusableInput(f"{path} is damaged ({exc}): look for vLLM with `ps -eo pid,pgid,args | grep -i vllm`"
+                            ) from exc
+    alive = serving_group(run_dir / "server.json") if state else None
+    answers = _listed(state["base_url"], timeout_s) if alive and state.get("base_url") else None
+    last = read_last_good(run_dir)
+    return HostStatus(run_dir=run_dir, state=state, alive_pgid=alive, answers=answers, last_good=last,
+                      previous_good=read_previous_good(run_dir),
+                      tuned=read_tuned(run_dir, last.repo_id) if last else None)
