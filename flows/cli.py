@@ -435,7 +435,8 @@ def tune(
     from tasks.tuning.measure import winner
 
     with pd.option_context("display.width", 250, "display.max_columns", None, "display.max_colwidth", 60):
-        typer.echo(pd.DataFrame(tuning_rows(results)).to_string(index=False, na_rep="-"))
+        rows = [{k: "-" if v is None else v for k, v in row.items()} for row in tuning_rows(results)]
+        typer.echo(pd.DataFrame(rows).to_string(index=False))
     best = winner(results, config.winner_rule)
     if best is None:
         typer.echo("\nerror: no winner: no candidate was measured (each one's cause is in the table)", err=True)

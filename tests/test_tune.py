@@ -4,14 +4,19 @@ that starts and fails, two measured; a re-run measures nothing; a promoted winne
 from __future__ import annotations
 
 import pytest
+import yaml
 from conftest import artifact, vllm_processes
+from typer.testing import CliRunner
 
+from flows.cli import app
 from flows.demo import demo_config
 from flows.deploy import deploy_model
 from flows.tune import TuneConfig, tune_model
 from tasks.tuning.measure import CandidateResult, winner
 from tasks.tuning.space import Layout, TuneSpace, candidates
+from tasks.vllm.process import reap_stale, serving_group
 from tasks.vllm.settings import VllmSettings
+from testkit.cli_args import cli_args
 
 SPACE = TuneSpace(layouts=[Layout(tensor_parallel_size=1)], max_num_seqs=[2, 16],
                   extra=[{"kv_cache_dtype": "fp9"}, {"max_model_len": 100000}])
@@ -77,21 +82,47 @@ def test_tune_refuses_measures_resumes_and_promotes(local_hub, tmp_path):
     assert "max-model-len-too-long" in rows and "invalid-argument" in rows
     assert vllm_processes() == []
 
-    # Again: every measurement is a cached task result; nothing starts, the same winner.
+    # Again, from the shell with --promote: every measurement is a cached task result; nothing
+    # starts, the same winner. The flags are the form's, as a user types them.
+    space = tmp_path / "space.yaml"
+    space.write_text(yaml.safe_dump(SPACE.model_dump(mode="json", exclude_defaults=True)))
     log = deploy.run_dir / "vllm.log"  # each vLLM start writes it anew
     written = log.stat().st_mtime_ns
-    again_state = tune_model(config.model_copy(update={"promote": True}), return_state=True)
-    again = again_state.result()
+    again = CliRunner().invoke(app, ["tune", *cli_args(deploy), "--space", str(space), "--promote"])
+    assert again.exit_code == 0, again.output
     assert log.stat().st_mtime_ns == written
-    states = _task_states(again_state.state_details.flow_run_id)
+    assert again.stdout.rstrip().endswith(f"winner: {best.name} (promoted: the next deploy of this model here uses it)")
+    assert "None" not in again.stdout and "max-model-len-too-long" in again.stdout
+    states = _task_states(artifact("tune-demo-tiny-moe").flow_run_id)
     assert {n: s for n, s in states.items() if n.startswith("measure ")} == {  # the failed start too
         "measure TP=1 + EP, max_num_seqs=2": "Cached", "measure TP=1 + EP, max_num_seqs=16": "Cached",
         "measure TP=1 + EP, max_model_len=100000": "Cached"}
-    assert [(r.name, r.status, r.cause, r.peak_tok_s) for r in again] == [
-        (r.name, r.status, r.cause, r.peak_tok_s) for r in results]
     assert artifact("tune-demo-tiny-moe").data.splitlines()[0] == first
 
     # Promoted: the next deploy of the model serves with the winner's settings.
-    deploy_model(deploy.model_copy(update={"bench": deploy.bench.model_copy(update={"concurrency_levels": [1]})}))
+    deploy_model(deploy.model_copy(update={"keep_serving": True, "bench": deploy.bench.model_copy(
+        update={"concurrency_levels": [1]})}))
     assert f"--max-num-seqs {best.settings.max_num_seqs}" in artifact("server-demo-tiny-moe").data
+    serving = serving_group(deploy.run_dir / "server.json")
+    try:
+        # A search whose every result is cached leaves the serving model alone: no stop, no restart.
+        cached = CliRunner().invoke(app, ["tune", *cli_args(deploy), "--space", str(space), "--promote"])
+        assert cached.exit_code == 0, cached.output
+        assert serving_group(deploy.run_dir / "server.json") == serving is not None  # a restart: a new group
+    finally:
+        reap_stale(deploy.run_dir / "server.json")
+    assert vllm_processes() == []
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_tune_with_nothing_measured_exits_1(local_hub, tmp_path):
+    """Every candidate refused in milliseconds: no winner is no success."""
+    deploy = demo_config(local_hub.endpoint, tmp_path / "models")
+    space = tmp_path / "space.yaml"
+    space.write_text(yaml.safe_dump({"layouts": [{"tensor_parallel_size": 1}], "kv_cache_dtype": ["fp9"]}))
+    result = CliRunner().invoke(app, ["tune", *cli_args(deploy), "--space", str(space)])
+    assert result.exit_code == 1, result.output
+    assert result.stderr.strip().splitlines()[-1] == ("error: no winner: no candidate was measured (each one's "
+                                                       "cause is in the table)")
+    assert "invalid-argument" in result.stdout and "None" not in result.stdout
     assert vllm_processes() == []
