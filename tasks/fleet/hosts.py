@@ -135,6 +135,15 @@ class HostsFile(BaseModel):
                  "tags": [host.name, "ui"], **common,
                  "concurrency_limit": {"limit": 1, "collision_strategy": "CANCEL_NEW"},
                  "parameters": {"config": {"deploy": config, "promote": False}}},
+                {"name": host.name, "description": f"{host.name}: roll back by hand to a good deployment, at its "
+                 "own address: the last good one where it does not serve, else the one before it.",
+                 "entrypoint": "flows/operate.py:rollback_model", "tags": [host.name, "ui"], **common,
+                 "concurrency_limit": {"limit": 1, "collision_strategy": "CANCEL_NEW"},
+                 "parameters": {"target": {"models_root": config.get("models_root", "/models")}}},
+                {"name": host.name, "description": f"{host.name}: stop what it serves (rollback starts it again).",
+                 "entrypoint": "flows/operate.py:stop_model", "tags": [host.name, "ui"], **common,
+                 "concurrency_limit": {"limit": 1, "collision_strategy": "CANCEL_NEW"},
+                 "parameters": {"target": {"models_root": config.get("models_root", "/models")}}},
                 {"name": host.name, "description": f"{host.name} as a secondary node of a model larger than one "
                  "box: vLLM headless as its rank, started and stopped by the leader's deploy.",
                  "entrypoint": "flows/group.py:join_group", "tags": [host.name, "group"], **common,
