@@ -7,6 +7,9 @@ import os
 # Prefect reads these when it starts its embedded server; analytics also races SQLite at start-up.
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
+# The embedded server's concurrency leases on disk, not in memory: a restart in memory lost the lease a
+# dead deploy held, and the host's lock stayed taken until someone reset it (field-facts, turn 3).
+os.environ.setdefault("PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE", "prefect.server.concurrency.lease_storage.filesystem")
 
 import json  # noqa: E402
 import logging  # noqa: E402
@@ -77,6 +80,24 @@ def _deploy_config(repo_id: str, options: dict) -> DeployConfig:
     """The run form from a command's options: the form's own, the engine's, the load's and the answer check's."""
     return _from_options(FORM, options, repo_id=repo_id, vllm=_from_options(ENGINE, options),
                          bench=_from_options(LOAD, options), answers=_from_options(ANSWERS, options))
+
+
+def _check_prefect() -> None:
+    """A Prefect API that does not answer is one line naming it, in seconds: not five minutes of
+    retries and event-worker dumps that name neither Prefect nor the URL. Without PREFECT_API_URL
+    the embedded server starts with the command."""
+    import httpx
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    if not url:
+        return
+    try:
+        httpx.get(f"{url.rstrip('/')}/health", timeout=10).raise_for_status()
+    except httpx.HTTPError as exc:
+        typer.echo(f"error: the Prefect API at {url} (PREFECT_API_URL) does not answer ({first_line(exc)}): start "
+                   "it, or unset PREFECT_API_URL to run on the embedded server", err=True)
+        raise typer.Exit(2)
 
 
 def _exit_on_sigterm() -> None:
@@ -164,6 +185,7 @@ def demo(
     from flows.demo import run_demo
 
     _exit_on_sigterm()
+    _check_prefect()
     try:
         int4, result = run_demo(work_dir.absolute(), say=lambda line: typer.echo(line, err=True))
     except Exception as exc:
@@ -236,6 +258,7 @@ def prepare(
     from flows.deploy import prepare_model
 
     _exit_on_sigterm()
+    _check_prefect()
     config = _from_options(STAGE, options, repo_id=repo_id)
     _check_models_root(config.models_root)
     _check_hub(config.repo_id, config.revision, config.hub_endpoint)
@@ -264,6 +287,7 @@ def deploy(repo_id: RepoId, **options) -> None:
     from flows.deploy import deploy_model
 
     _exit_on_sigterm()
+    _check_prefect()
     config = _deploy_config(repo_id, options)
     _check_models_root(config.models_root)
     _check_hub(config.repo_id, config.revision, config.hub_endpoint)
@@ -406,6 +430,7 @@ def tune(
     from tasks.tuning.space import TuneSpace
 
     _exit_on_sigterm()
+    _check_prefect()
     deploy = _deploy_config(repo_id, options)
     _check_models_root(deploy.models_root)
     try:
@@ -499,6 +524,7 @@ def stop(models_root: ModelsRoot = Path("/models")) -> None:
     from flows.operate import HostTarget, stop_model
 
     _exit_on_sigterm()
+    _check_prefect()
     try:
         pgid = stop_model(HostTarget(models_root=models_root))
     except Exception as exc:
@@ -515,8 +541,25 @@ def rollback(models_root: ModelsRoot = Path("/models"),
     from flows.operate import HostTarget, rollback_model
 
     _exit_on_sigterm()
+    _check_prefect()
     try:
         now = rollback_model(HostTarget(models_root=models_root, startup_timeout_s=startup_timeout_s))
+    except Exception as exc:
+        _fail(exc)
+    typer.echo(f"serving {now}")
+
+
+@app.command()
+def recover(models_root: ModelsRoot = Path("/models"),
+            startup_timeout_s: Annotated[float, typer.Option(help="Load deadline, seconds")] = 1800) -> None:
+    """Finish a swap whose deploy died: the last good deployment serving again, or nothing done
+    where it serves. A swap's guard runs it by itself; exit 0 when the last good one serves."""
+    from flows.operate import HostTarget, rollback_model
+
+    _exit_on_sigterm()
+    _check_prefect()
+    try:
+        now = rollback_model(HostTarget(models_root=models_root, startup_timeout_s=startup_timeout_s), recover=True)
     except Exception as exc:
         _fail(exc)
     typer.echo(f"serving {now}")
@@ -598,6 +641,7 @@ def fleet(
         raise typer.Exit(2)
     _check_hub(config.deploy.repo_id, config.deploy.revision, config.deploy.hub_endpoint)
     _exit_on_sigterm()
+    _check_prefect()
     try:
         outcomes = fleet_rollout(config)
     except Exception as exc:

@@ -45,6 +45,8 @@ from tasks.history.last_good import (
     write_last_good,
 )
 from tasks.history.runs import RunRecord, check_regression, run_record
+from tasks.history.serving import check_state_files, take_over
+from tasks.history.swap import begin_swap, end_swap
 from tasks.history.tuned import read_tuned
 from tasks.host_lock import host_lock
 from tasks.hub import RepoSnapshot, missing_bytes, record_revision, snapshot_dir
@@ -159,7 +161,8 @@ def deploy_model(config: DeployConfig) -> DeployResult:
     summary = DeploySummary(config.repo_id, config.revision)
     try:
         result = _deploy(config, summary)
-    except Exception as err:  # a cancelled run publishes nothing more: its hooks stop the server
+    except (Exception, KeyboardInterrupt, SystemExit) as err:  # a run cancelled by Prefect publishes nothing
+        # more (its hooks stop the server); SIGTERM and Ctrl-C are said, rollback included
         summary.publish(err)
         if summary.rollback is not None:
             emit_rolled_back(config.repo_id, summary.verdict(err))  # the automation tells a person
@@ -181,6 +184,9 @@ def _deploy(config: DeployConfig, summary: DeploySummary) -> DeployResult:
                     tuned.candidate)
         config = config.model_copy(update={"vllm": tuned.settings})
     with host_lock():  # first: reaping a "stale" server is only safe when no other deploy runs
+        if config.take_over and (stopped := take_over(config.run_dir)):
+            logger.warning("took over the host: damaged records set aside, vLLM process groups %s stopped", stopped)
+        check_state_files(config.run_dir)
         if serving_headless(config.run_dir / "server.json"):
             raise HostBusyError("this host runs a secondary node of a multi-node group led from another host: "
                                 "deploy on the leader, or run this host's join-group with leave first")
@@ -196,24 +202,30 @@ def _deploy(config: DeployConfig, summary: DeploySummary) -> DeployResult:
                 logger.warning("%s: %s", warning.rule, warning.message)
         server = server_config(config, prepared, gpu.platform)
         summary.last_good = comparable(previous or read_last_good(config.run_dir), config.repo_id)
-        if previous is not None:  # from here a failure restores it
-            stop_serving(config.run_dir, summary.serving_before)
-            _group(_left_behind(previous, config), "leave")
-            summary.previous_stopped = True
+        # From here until a server is promoted or restored, a guard outlives this process: if it dies
+        # (kill -9), the unchecked server is stopped and the last good one brought back.
+        begin_swap(config.run_dir, what=f"{config.repo_id}@{prepared.commit[:12]}", models_root=config.models_root)
         try:
-            _group(config.group_members(), "join")  # the leader waits for every rank at start-up
-            handle, record, rows, stop = _serve_and_bench(config, prepared, gpu, server, summary)
-        except Exception as err:
+            if previous is not None:  # from here a failure restores it
+                stop_serving(config.run_dir, summary.serving_before)
+                _group(_left_behind(previous, config), "leave")
+                summary.previous_stopped = True
             try:
-                _group(config.group_members(), "leave")
-            except Exception as left:  # a node that cannot leave must not keep the last good one down
-                logger.warning("the new group's secondary nodes did not all stop: %s", first_line(left))
-            if previous is not None:
-                summary.rollback, summary.rollback_failed = restore_last_good(
-                    previous, run_dir=config.run_dir, startup_timeout_s=config.startup_timeout_s,
-                    why=f"the new deployment failed after the old server was stopped: `{first_line(err)}`")
-            raise
-        promote_last_good(config.run_dir, deployment_record(config, prepared, handle, server, record))
+                _group(config.group_members(), "join")  # the leader waits for every rank at start-up
+                handle, record, rows, stop = _serve_and_bench(config, prepared, gpu, server, summary)
+            except BaseException as err:  # SIGTERM and Ctrl-C too: the host must not be left serving nothing
+                try:
+                    _group(config.group_members(), "leave")
+                except Exception as left:  # a node that cannot leave must not keep the last good one down
+                    logger.warning("the new group's secondary nodes did not all stop: %s", first_line(left))
+                if previous is not None:
+                    summary.rollback, summary.rollback_failed = restore_last_good(
+                        previous, run_dir=config.run_dir, startup_timeout_s=config.startup_timeout_s,
+                        why=f"the new deployment failed after the old server was stopped: `{first_line(err)}`")
+                raise
+            promote_last_good(config.run_dir, deployment_record(config, prepared, handle, server, record))
+        finally:
+            end_swap(config.run_dir)
         summary.base_url = handle.base_url if config.keep_serving else None
     return DeployResult(prepared=prepared, platform=gpu.platform, results=rows, sweep_end=stop, record=record,
                         base_url=summary.base_url)

@@ -19,6 +19,8 @@ from tasks.history.last_good import (
     swap_to_previous,
     write_last_good,
 )
+from tasks.history.serving import check_state_files
+from tasks.history.swap import begin_swap, end_swap
 from tasks.host_lock import host_lock
 from tasks.steps import stop_serving
 from tasks.vllm.process import serving_group
@@ -44,6 +46,7 @@ def stop_model(target: HostTarget) -> int | None:
     """Stop the host's vLLM server; the last good record stays, so `rollback` can start it again.
     Returns the stopped process group, None when nothing ran."""
     with host_lock():
+        check_state_files(target.run_dir)
         last = read_last_good(target.run_dir)
         pgid = serving_group(target.run_dir / "server.json")
         what = _what(last if last and last.serving_pgid == pgid else None)
@@ -57,16 +60,20 @@ def stop_model(target: HostTarget) -> int | None:
 
 
 @flow(name="rollback-model")
-def rollback_model(target: HostTarget) -> str:
+def rollback_model(target: HostTarget, recover: bool = False) -> str:
     """Bring a good deployment back at its own address: the last good one where it does not serve
     (stopped, dead, or replaced by a deploy that never finished); the one before it where the last
-    good one serves. Returns what serves now."""
+    good one serves, unless `recover` (what a swap's guard runs after its deploy died: the last good
+    one back, or nothing done). Returns what serves now."""
     run_dir = target.run_dir
     with host_lock():
+        check_state_files(run_dir)
         last = read_last_good(run_dir)
         if last is None or last.server is None:
             raise UnusableInput(f"no good deployment to roll back to: {run_dir / 'last-good.json'} records none")
         serving = serving_group(run_dir / "server.json")
+        if recover and serving is not None and serving == last.serving_pgid:
+            return f"{_what(last)} (already serving)"
         if serving is not None and serving == last.serving_pgid:
             target_record = read_previous_good(run_dir)
             if target_record is None:
@@ -74,16 +81,21 @@ def rollback_model(target: HostTarget) -> str:
                                     f"({run_dir / 'previous-good.json'})")
             why = f"rolled back by hand from {_what(last)}"
         else:
-            target_record, why = last, "started again by hand: " + (
+            target_record, why = last, ("recovered after a deploy died mid-swap: " if recover else
+                                        "started again by hand: ") + (
                 "nothing served" if serving is None else "the server running was not the last good deployment")
         if not target_record.model_dir.is_dir():
             raise UnusableInput(f"{_what(target_record)}: its files are gone from {target_record.model_dir}")
-        if serving is not None:
-            stop_serving(run_dir, "the server rolled back from")
-        if target_record is not last:
-            swap_to_previous(run_dir)
-        now, failed = restore_last_good(target_record, run_dir=run_dir, startup_timeout_s=target.startup_timeout_s,
-                                        why=why)
+        begin_swap(run_dir, what=f"rollback to {_what(target_record)}", models_root=target.models_root)
+        try:
+            if serving is not None:
+                stop_serving(run_dir, "the server rolled back from")
+            if target_record is not last:
+                swap_to_previous(run_dir)
+            now, failed = restore_last_good(target_record, run_dir=run_dir,
+                                            startup_timeout_s=target.startup_timeout_s, why=why)
+        finally:
+            end_swap(run_dir)
         if failed:
             raise ServerStartError(f"rollback to {_what(target_record)} failed: {now}. Nothing serves on this host",
                                    "rollback-failed", "")

@@ -20,6 +20,7 @@ from tasks.artifacts import publish_tuning
 from tasks.deployment.config import DeployConfig
 from tasks.deployment.stages import gpus_used, hardware_plan, platform_label, server_config, vocab_size
 from tasks.history.last_good import serving_deployment, write_last_good
+from tasks.history.swap import begin_swap, end_swap
 from tasks.history.tuned import TunedSettings, write_tuned
 from tasks.host_lock import host_lock
 from tasks.steps import check_candidate, is_measured, measure_candidate, probe_gpus, start_vllm, stop_serving
@@ -75,6 +76,7 @@ def tune_model(config: TuneConfig) -> list[CandidateResult]:
                 key = candidate_key(candidate, prepared.commit, vllm_version=measured_on[0], gpus=measured_on[1],
                                     bench=deploy.bench, answers=deploy.answers.for_model(prepared.model_dir))
                 if previous is not None and not stopped and not is_measured(key):
+                    begin_swap(deploy.run_dir, what=f"tune of {deploy.repo_id}", models_root=deploy.models_root)
                     stop_serving(deploy.run_dir, f"{previous.repo_id}@{previous.commit[:12]}")
                     stopped = True
                 results.append(measure_candidate(key, candidate, server, deploy.run_dir, deploy.startup_timeout_s,
@@ -86,6 +88,7 @@ def tune_model(config: TuneConfig) -> list[CandidateResult]:
                     previous.server, deploy.run_dir, deploy.startup_timeout_s, previous.api_key_secret,
                     deploy.repo_id, "-after-tune")
                 write_last_good(deploy.run_dir, previous.model_copy(update={"serving_pgid": handle.pgid}))
+                end_swap(deploy.run_dir)
         best = winner(results, config.winner_rule)
         if config.promote and best is not None:
             write_tuned(deploy.run_dir, TunedSettings(repo_id=deploy.repo_id, settings=best.settings,

@@ -141,4 +141,7 @@ def first_line(err: BaseException) -> str:
 
 def failed_stage(err: BaseException) -> str:
     """The step a failure stopped, in words: the project's own errors say; anything else is unforeseen."""
-    return err.stage if isinstance(err, RolloutError) else "an unexpected error"
+    if isinstance(err, RolloutError):
+        return err.stage
+    return "an interruption (SIGTERM or Ctrl-C)" if isinstance(err, (KeyboardInterrupt, SystemExit)) else \
+        "an unexpected error"

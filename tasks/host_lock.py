@@ -69,5 +69,6 @@ def host_lock(host: str | None = None, wait_s: float = 5.0) -> Iterator[str]:
 
 
 def _busy(name: str) -> HostBusyError:
-    return HostBusyError(f"another deploy is running on this host (Prefect concurrency limit {name} is full); "
-                         "wait for it to finish or cancel it")
+    return HostBusyError(f"another deploy is running on this host (Prefect concurrency limit {name} is full): wait "
+                         f"for it to finish or cancel it; a deploy that died frees the host when its lease lapses, "
+                         f"{LEASE_S:.0f}-{LEASE_S + 15:.0f} s after it died")

@@ -18,6 +18,9 @@ runner = CliRunner()
         (["--concurrency", "0,4"], "bad option concurrency_levels"),
         (["--output-len", "1"], "bad option output_len"),
         (["--max-regression", "2"], "bad option max_regression"),
+        (["--max-model-len", "1024"], "error: --input-len 1024 + --output-len 256 = 1280 tokens per request, beyond "
+                                      "--max-model-len 1024: every request would be refused"),
+        (["--answers-min-accuracy", "2"], "bad option min_accuracy"),
     ],
 )
 def test_bad_deploy_options_name_the_option(args, expected, tmp_path):
@@ -135,3 +138,49 @@ def test_tune_refuses_a_bad_space_file_or_option_in_one_line_naming_it(tmp_path)
         result = runner.invoke(app, ["tune", "demo/x", *args])
         assert result.exit_code == 2 and result.stderr.startswith(says), result.output
         assert len(result.stderr.splitlines()) == 1
+
+
+def test_an_unreachable_prefect_api_is_one_line_naming_it_within_30_s(tmp_path):
+    import os
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api"}
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "flows.cli", "deploy", "demo/tiny-moe", "--models-root",
+                           str(tmp_path / "models")], env=env, capture_output=True, text=True, timeout=60)
+    assert time.monotonic() - started < 30
+    assert done.returncode == 2 and done.stderr.splitlines() == [
+        "error: the Prefect API at http://127.0.0.1:9/api (PREFECT_API_URL) does not answer (ConnectError: [Errno 111] "
+        "Connection refused): start it, or unset PREFECT_API_URL to run on the embedded server"], done.stderr
+    assert not (tmp_path / "models").exists()
+
+
+def test_a_models_root_whose_parent_does_not_exist_is_refused_before_anything(tmp_path):
+    typo = tmp_path / "modles" / "kimi"
+    for command in (["deploy", "org/model"], ["prepare", "org/model"], ["tune", "org/model"]):
+        result = runner.invoke(app, [*command, "--models-root", str(typo)])
+        assert result.exit_code == 2, result.output
+        assert result.stderr.splitlines() == [f"error: --models-root {typo}: its parent {typo.parent} does not exist "
+                                              "(a typo?); create the folder first if it is meant"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_notify_names_a_block_without_its_type():
+    result = runner.invoke(app, ["notify", "--block", "ops"])
+    assert result.exit_code == 2
+    assert result.stderr.splitlines() == ["error: --block 'ops': expected <block-type>/<block-name>, e.g. "
+                                          "slack-webhook/ops"]
+
+
+def test_help_never_cuts_a_flag_name():
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "flows.cli", "deploy", "--help"], capture_output=True, text=True,
+                          env={**os.environ, "COLUMNS": "80"}, timeout=60)
+    assert done.returncode == 0 and "…" not in done.stdout
+    assert "--data-parallel-size " in done.stdout and "--data-parallel-size-local" in done.stdout
+    assert "--answers-probes" in done.stdout

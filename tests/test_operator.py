@@ -5,13 +5,18 @@ redeploy whose every benchmark request fails, stop, status, rollback."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import time
 import uuid
 
 import httpx
 import pytest
 from conftest import artifact, vllm_processes
 from prefect.blocks.notifications import CustomWebhookNotificationBlock
+from prefect.settings import PREFECT_API_URL
 from typer.testing import CliRunner
 
 from flows.cli import app
@@ -21,8 +26,8 @@ from tasks.artifacts import model_slug, read_history
 from tasks.cpus import server_and_client_cpus
 from tasks.errors import RegressionError
 from tasks.history.last_good import read_last_good, write_last_good
-from tasks.vllm.process import reap_stale, serving_group
-from testkit.prefect_processes import free_port
+from tasks.vllm.process import group_members, reap_stale, serving_group
+from testkit.prefect_processes import BIN, free_port
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 runner = CliRunner()
@@ -38,6 +43,13 @@ def _answer(port: int, model: str) -> str:
     reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                        json={"model": model, "prompt": "41 42 43", "max_tokens": 3, "temperature": 0}).json()
     return reply["choices"][0]["text"]
+
+
+def _recorded_pgid(run_dir) -> int | None:
+    try:
+        return int(json.loads((run_dir / "server.json").read_text())["pgid"])
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def test_deploy_status_logs_rollback_stop_and_rollback_again_from_the_shell(hub_root, local_hub, tmp_path, webhook):
@@ -58,7 +70,8 @@ def test_deploy_status_logs_rollback_stop_and_rollback_again_from_the_shell(hub_
                                    json_data={"subject": "{{subject}}", "body": "{{body}}"}).save("rollout-test",
                                                                                                   overwrite=True)
     code, out, err = _rollout("notify", "--block", "custom-webhook/rollout-test")
-    assert code == 0 and "automation 'rollout: a deploy rolled back': notifies through custom-webhook/rollout-test" in out, err
+    assert code == 0, err
+    assert "automation 'rollout: a deploy rolled back': notifies through custom-webhook/rollout-test" in out
     run_dir = root / ".rollout"
     try:
         code, out, err = _rollout(*deploy)
@@ -140,6 +153,68 @@ def test_deploy_status_logs_rollback_stop_and_rollback_again_from_the_shell(hub_
         assert _answer(port, repo_id) == " 44 45 46"
         code, out, _ = _rollout("status", "--models-root", root)
         assert code == 0 and "(the last good deployment)" in out
+
+        # Damaged records: one line naming the file and the vLLM found; the healthy server untouched.
+        for name in ("server.json", "last-good.json"):
+            record = run_dir / name
+            kept = record.read_text()
+            record.write_text(kept[: len(kept) // 2])
+            for command in (deploy, ["status", "--models-root", root], ["rollback", "--models-root", root]):
+                code, out, err = _rollout(*command)
+                assert code == 2 and len(err.strip().splitlines()) == 1, (command, out, err)
+                assert err.startswith(f"error: {record} is damaged (") and f" on port {port}" in err, err
+                assert _answer(port, repo_id) == " 44 45 46"
+            record.write_text(kept)
+
+        # SIGTERM mid-benchmark of a redeploy, through the shell: the new server stops, the last good
+        # one serves again on its port, and the run's summary says so.
+        env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+        redeploy = subprocess.Popen([str(BIN / "rollout"), *map(str, deploy)], stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+        seen = []
+        for line in redeploy.stdout:
+            seen.append(line)
+            if "answer check passed" in line:
+                break
+        time.sleep(0.5)  # into the sweep's first level
+        redeploy.send_signal(signal.SIGTERM)
+        rest = redeploy.communicate(timeout=300)[0]
+        assert redeploy.returncode == 143, "".join(seen) + rest
+        assert _answer(port, repo_id) == " 44 45 46"
+        back = read_last_good(run_dir)
+        assert back.serving_pgid == serving_group(run_dir / "server.json") is not None
+        assert artifact(f"deploy-{slug}").data.startswith(f"# Rolled back: {repo_id}@{good.commit[:12]} failed at "
+                                                          "an interruption (SIGTERM or Ctrl-C): SystemExit: 143.")
+
+        # kill -9 after the old server stopped, before the new one is ready: the swap's guard stops
+        # the unchecked server at once and brings the last good one back by itself.
+        good_pgid = serving_group(run_dir / "server.json")
+        with (tmp_path / "killed.log").open("w") as out:
+            victim = subprocess.Popen([str(BIN / "rollout"), *map(str, deploy)], stdout=out,
+                                      stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        while (orphan := _recorded_pgid(run_dir)) in (None, good_pgid) or not group_members(orphan):
+            assert victim.poll() is None, (tmp_path / "killed.log").read_text()
+            time.sleep(0.05)
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait(timeout=30)
+        killed = time.monotonic()
+        while group_members(orphan):  # the guard polls every 0.5 s; vLLM takes far longer to load
+            assert time.monotonic() - killed < 5, "the unpromoted server outlived its deploy"
+            with pytest.raises(httpx.HTTPError):
+                _answer(port, repo_id)
+            time.sleep(0.1)
+        while True:  # recovered by the guard once the dead deploy's lease on the host lapses
+            try:
+                assert _answer(port, repo_id) == " 44 45 46"
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() - killed < 240, (run_dir / "swap-guard.log").read_text()
+                time.sleep(1)
+        recovered = time.monotonic() - killed
+        back = read_last_good(run_dir)
+        assert back.serving_pgid == serving_group(run_dir / "server.json") not in (None, orphan)
+        assert not (run_dir / "swap.json").exists()
+        print(f"kill -9 mid-swap: the unpromoted server stopped, the last good serving again {recovered:.0f} s later")
     finally:
         reap_stale(run_dir / "server.json")
         shutil.rmtree(hub_root / repo_id, ignore_errors=True)

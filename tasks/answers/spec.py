@@ -6,7 +6,6 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-
 SHIPPED_PROBES = "answer-probes.jsonl"  # a probe set a model repo ships for its own answer check
 
 

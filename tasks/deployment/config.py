@@ -58,6 +58,8 @@ class DeployConfig(BaseModel):
                                       description="Secondary nodes, in node order, for a model larger than one box: "
                                       "with nnodes (one TP/PP group over the nodes) or data_parallel_size_local "
                                       "(data-parallel ranks over the nodes); this host leads and serves the API")
+    take_over: bool = Field(False, description="Where this host's records (server.json, last-good.json) are "
+                            "damaged: set them aside and stop every vLLM on the host, instead of refusing")
     use_tuned: bool = Field(True, description="Serve with the vLLM settings `rollout tune --promote` chose for "
                                               "this model on this host, where it did, instead of the ones above")
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import httpx
 
-from tasks.errors import UnusableInput
+from tasks.errors import UnusableInput, first_line
 from tasks.history.last_good import LastGood, read_last_good, read_previous_good
 from tasks.history.tuned import TunedSettings, read_tuned
-from tasks.vllm.process import serving_group
+from tasks.vllm.process import serving_group, stop_group, vllm_groups
 
 # `rollout status` exit codes, for scripts: 0 serving, 3 nothing serves, 1 the recorded server is dead
 # (or alive and not answering).
@@ -84,6 +84,50 @@ class HostStatus:
         return head
 
 
+STATE_FILES = ("server.json", "last-good.json")
+
+
+def _damage(path: Path) -> str | None:
+    """Why the record at `path` cannot be read; None when it reads, or is absent."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        json.loads(text) if path.name == "server.json" else LastGood.model_validate_json(text)
+    except ValueError as exc:
+        return first_line(exc)
+    return None
+
+
+def check_state_files(run_dir: Path) -> None:
+    """Refuse to act on a host whose records cannot be read: a damaged server.json or last-good.json
+    read as "nothing here" once left a healthy server untracked beside a new one, or reaped as stale.
+    The message names the file and the vLLM process groups found on the host."""
+    for path in (run_dir / name for name in STATE_FILES):
+        if (why := _damage(path)) is not None:
+            seen = ", ".join(f"process group {g}" + (f" on port {p}" if p else "")
+                             for g, p in sorted(vllm_groups().items()))
+            raise UnusableInput(f"{path} is damaged ({why}); vLLM on this host: {seen or 'none'}. Repair or remove "
+                                "the file, or pass --take-over to stop those servers and start afresh")
+
+
+def take_over(run_dir: Path) -> list[int]:
+    """The operator's choice on a host whose records are damaged: set the damaged files aside (never
+    deleted: they are the evidence) and stop every vLLM process group on the host. Nothing is done
+    where the records read."""
+    damaged = [run_dir / name for name in STATE_FILES if _damage(run_dir / name) is not None]
+    if not damaged:
+        return []
+    stamp = f"{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}"
+    for path in damaged:
+        path.replace(path.with_name(f"{path.name}.damaged-{stamp}"))
+    stopped = sorted(vllm_groups())
+    for pgid in stopped:
+        stop_group(pgid)
+    return stopped
+
+
 def _flag(command: list[str], name: str) -> str | None:
     return command[command.index(name) + 1] if name in command[:-1] else None
 
@@ -99,14 +143,9 @@ def _listed(base_url: str, timeout_s: float) -> list[str] | None:
 
 def host_status(run_dir: Path, timeout_s: float = 5.0) -> HostStatus:
     """The host's serving state; asks the server's /v1/models only while its process group runs."""
+    check_state_files(run_dir)  # never read a damaged record as "nothing here": it may hide a live server
     path = run_dir / "server.json"
-    try:
-        state = json.loads(path.read_text())
-    except FileNotFoundError:
-        state = None
-    except ValueError as exc:  # never read as "nothing here": a damaged record may hide a live server
-        raise UnusableInput(f"{path} is damaged ({exc}): look for vLLM with `ps -eo pid,pgid,args | grep -i vllm`"
-                            ) from exc
+    state = json.loads(path.read_text()) if path.exists() else None
     alive = serving_group(run_dir / "server.json") if state else None
     answers = _listed(state["base_url"], timeout_s) if alive and state.get("base_url") else None
     last = read_last_good(run_dir)

@@ -176,6 +176,27 @@ def served_model(state_file: Path) -> Path | None:
     return Path(command[command.index("--model") + 1]) if "--model" in command else None
 
 
+def vllm_groups() -> dict[int, str]:
+    """Every process group on this host that runs vLLM, with its --port where its command names one:
+    what a damaged state file leaves the host unable to account for."""
+    groups: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        args = _cmdline(int(entry.name)).split(b"\0")
+        if not any(b"vllm" in a.lower() for a in args[:3]) or entry.name == str(os.getpid()):
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] == "Z":
+            continue
+        port = args[args.index(b"--port") + 1].decode() if b"--port" in args[:-1] else groups.get(int(fields[2]), "")
+        groups[int(fields[2])] = port or groups.get(int(fields[2]), "")
+    return groups
+
+
 def _cmdline(pid: int) -> bytes:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()

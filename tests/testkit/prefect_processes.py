@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 
 BIN = Path(sys.executable).parent
+LEASES_ON_DISK = "prefect.server.concurrency.lease_storage.filesystem"  # as docker/compose.yaml and the CLI set it
 
 
 def free_port() -> int:
@@ -53,16 +54,18 @@ def stop(process: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def prefect_server(home: Path, ui: bool = False) -> Iterator[tuple[str, Path]]:
+def prefect_server(home: Path, ui: bool = False, port: int | None = None) -> Iterator[tuple[str, Path]]:
     """`prefect server start` on SQLite in its own PREFECT_HOME, every service on, the UI only when
-    asked (at the server's address, without /api): (API URL, log)."""
-    port = free_port()
+    asked (at the server's address, without /api): (API URL, log). A server started again on the same
+    home and port is the same server, restarted."""
+    port = port or free_port()
     url = f"http://127.0.0.1:{port}/api"
     env = {**os.environ, "PREFECT_HOME": str(home / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            "DO_NOT_TRACK": "1", "PREFECT_UI_ENABLED": str(ui).lower(), "PREFECT_UI_URL": url.removesuffix("/api"),
-           "PREFECT_UI_API_URL": url}  # what the UI in a browser calls; it defaults to port 4200
+           "PREFECT_UI_API_URL": url,  # what the UI in a browser calls; it defaults to port 4200
+           "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": LEASES_ON_DISK}
     env.pop("PREFECT_API_URL", None)
-    log = home / "server.log"
+    log = home / f"server-{time.time():.0f}.log"
     server = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                               env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
     try:

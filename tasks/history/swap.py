@@ -1,0 +1,125 @@
+"""The swap as a recorded transaction, guarded by a process that outlives the deploy.
+
+From the moment a deploy stops the host's server until the next server is promoted (or the last good
+one restored), `swap.json` in the run directory says which deploy owns the swap. A guard process, in
+a session of its own, watches that deploy: if it dies (kill -9, a power cut of its machine's
+container, an OOM kill) while the record stands, the guard stops any server that was never promoted,
+within half a second (a vLLM load takes minutes, so an unchecked model never answers), and brings
+the last good deployment back through `rollout recover`, retrying while the dead deploy's lease on
+the host lock lapses. A deploy that ends in any other way, SIGTERM and Ctrl-C included, closes the
+record itself.
+
+Why a guard and not a fence port: a second port behind a proxy would add a hop to every request of
+the production server for the minutes a swap takes once a night; the guard costs one idle process
+during the swap and nothing after it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tasks.vllm.process import group_members, stop_group
+
+POLL_S = 0.5
+RECOVER_FOR_S = 600.0  # the dead deploy's lease on the host lock lapses within about 75 s
+RECOVER_EVERY_S = 15.0
+
+
+def swap_file(run_dir: Path) -> Path:
+    return run_dir / "swap.json"
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks (/proc/PID/stat field 22): a pid the kernel reuses
+    for another process is not the deploy."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _write(path: Path, record: dict) -> None:
+    """Write, fsync, rename: a power cut leaves the old record or the new one, never half of one."""
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w") as out:
+        out.write(json.dumps(record))
+        out.flush()
+        os.fsync(out.fileno())
+    tmp.replace(path)
+
+
+def begin_swap(run_dir: Path, *, what: str, models_root: Path) -> None:
+    """Record that this process now owns the host's swap, and start its guard."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    pid = os.getpid()
+    _write(swap_file(run_dir), {"deploy_pid": pid, "deploy_started": _start_time(pid), "what": what,
+                                "models_root": str(models_root), "since": time.time()})
+    log = (run_dir / "swap-guard.log").open("ab")
+    subprocess.Popen([sys.executable, "-m", "tasks.history.swap", str(run_dir)], stdin=subprocess.DEVNULL,
+                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
+
+
+def end_swap(run_dir: Path) -> None:
+    """The swap ended in a server that passed its checks, or in the last good one restored: the
+    guard has nothing left to watch."""
+    swap_file(run_dir).unlink(missing_ok=True)
+
+
+def owner_alive(record: dict) -> bool:
+    pid = int(record["deploy_pid"])
+    return _start_time(pid) is not None and _start_time(pid) == record.get("deploy_started")
+
+
+def _read(run_dir: Path) -> dict | None:
+    try:
+        return json.loads(swap_file(run_dir).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def stop_unpromoted(run_dir: Path) -> int | None:
+    """Stop the server recorded in server.json unless last-good.json says it serves the last good
+    deployment; returns the stopped process group. Read as plain JSON: a guard must act on what it
+    can read, whatever else is damaged."""
+    try:
+        pgid = int(json.loads((run_dir / "server.json").read_text())["pgid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    try:
+        promoted = json.loads((run_dir / "last-good.json").read_text()).get("serving_pgid")
+    except (OSError, ValueError, AttributeError):
+        promoted = None
+    if pgid == promoted or not group_members(pgid):
+        return None
+    stop_group(pgid, grace_s=2.0)
+    return pgid
+
+
+def guard(run_dir: Path) -> None:
+    """Watch the swap's owner; when it dies mid-swap, stop what was never promoted, then recover."""
+    while (record := _read(run_dir)) is not None and owner_alive(record):
+        time.sleep(POLL_S)
+    if record is None:
+        return  # the deploy closed the swap itself
+    stopped = stop_unpromoted(run_dir)
+    print(f"{time.strftime('%H:%M:%S')} deploy pid {record['deploy_pid']} died mid-swap ({record['what']}); "
+          f"unpromoted server {stopped or 'none'} stopped; restoring the last good deployment", flush=True)
+    deadline = time.monotonic() + RECOVER_FOR_S
+    while time.monotonic() < deadline and _read(run_dir) == record:  # a new deploy owning the swap ends this
+        done = subprocess.run([sys.executable, "-m", "flows.cli", "recover", "--models-root", record["models_root"]],
+                              capture_output=True, text=True)
+        print(done.stdout.strip() or done.stderr.strip(), flush=True)
+        if done.returncode == 0 or "another deploy is running" not in done.stderr:
+            break
+        time.sleep(RECOVER_EVERY_S)
+    if _read(run_dir) == record:
+        end_swap(run_dir)
+
+
+if __name__ == "__main__":
+    guard(Path(sys.argv[1]))
