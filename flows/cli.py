@@ -332,6 +332,10 @@ def bench(
     if max_concurrency:
         options["concurrency_levels"] = ",".join(map(str, geometric_levels(max_concurrency)))
     spec = _from_options(LOAD, options)
+    if vocab_size is None and tokenizer is None and spec.dataset is None and spec.token_id_prompts:
+        # No vocabulary at hand: text, whose lengths the server's own usage counts then give.
+        spec = spec.model_copy(update={"token_id_prompts": False})
+        typer.echo("no --vocab-size or --tokenizer: sending text prompts, input lengths from the server's usage counts")
     try:
         level_prompts(spec, 1, vocab_size, tokenizer)
     except BenchConfigError as exc:
@@ -381,9 +385,11 @@ def history(
     model: Annotated[Optional[str], typer.Argument(help="Repo id; default: every model")] = None,
     threshold: Annotated[float, typer.Option(help="Fraction worse than the previous good run that is a regression")
                          ] = 0.1,
-    wide: Annotated[bool, typer.Option(help="Also print vLLM version and GPUs")] = False,
+    wide: Annotated[bool, typer.Option(help="Also print vLLM version, GPUs, host and load")] = False,
+    host: Annotated[Optional[str], typer.Option(help="Only this host's runs (its ROLLOUT_HOST name)")] = None,
 ) -> None:
-    """Benchmarked deployments read back from Prefect's artifacts, oldest first.
+    """Benchmarked deployments read back from Prefect's artifacts, oldest first; each compared with
+    the previous good run of the same model on the same GPUs under the same load.
 
     Exit 1 when the newest run of a model regressed beyond the threshold.
     """
@@ -398,9 +404,10 @@ def history(
     if model is not None and not REPO_ID.match(model):
         typer.echo(f"error: bad argument MODEL {model!r}: expected a repo id like org/name", err=True)
         raise typer.Exit(2)
-    table = comparison(read_history(model), threshold)
+    table = comparison([r for r in read_history(model) if host is None or r.host == host], threshold)
     if table.empty:
-        typer.echo(f"no benchmarked deployments{f' of {model}' if model else ''} in Prefect's history")
+        typer.echo(f"no benchmarked deployments{f' of {model}' if model else ''}{f' on {host}' if host else ''} in "
+                   "Prefect's history")
         raise typer.Exit(0)
     with pd.option_context("display.width", 250, "display.max_columns", None):
         typer.echo(readable(table, wide).to_string(index=False, na_rep="-"))

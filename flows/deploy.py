@@ -243,7 +243,7 @@ def _serve_and_bench(config: DeployConfig, prepared: PreparedModel, gpu: GpuProb
     def record_of(rows: list[LevelResult], answers: AnswerBaseline | None) -> RunRecord:
         return run_record(rows, config.repo_id, config.revision, prepared.commit, platform_label(gpu),
                           facts["vllm_version"], parallelism(config.vllm), str(flow_run.get_id() or "") or None,
-                          answers)
+                          answers, config.bench.load)
 
     try:
         logger.info("vLLM ready at %s after %.0f s", handle.base_url, handle.startup_s)

@@ -1,4 +1,5 @@
-"""Cancelling a deploy from Prefect mid-sweep leaves no vLLM process, as a worker would cancel it."""
+"""Cancelling a redeploy from Prefect mid-sweep, as a worker would cancel it: the new server stops, and the
+last good deployment serves again on its port."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import pytest
 from conftest import vllm_processes
 from prefect.client.orchestration import get_client
@@ -15,8 +17,13 @@ from prefect.deployments import run_deployment
 from prefect.settings import PREFECT_API_URL
 from prefect.states import Cancelling
 
-from flows.demo import demo_config
+from testkit.prefect_processes import free_port
+
+from flows.demo import BF16_REPO, demo_config
+from flows.deploy import deploy_model
+from tasks.history.last_good import read_last_good
 from tasks.host_lock import LEASE_S, host_lock
+from tasks.vllm.process import reap_stale, serving_group
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 
@@ -32,15 +39,31 @@ def _wait(condition, timeout_s: float, what: str):
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
-def test_cancel_mid_sweep_stops_vllm(local_hub, tmp_path):
+def _answer(port: int) -> str | None:
+    try:
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30, json={
+            "model": BF16_REPO, "prompt": "41 42 43", "max_tokens": 3, "temperature": 0}).json()
+    except httpx.HTTPError:
+        return None
+    return reply["choices"][0]["text"]
+
+
+def test_cancel_mid_sweep_stops_the_new_server_and_the_last_good_serves_again(local_hub, tmp_path):
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_RUNNER_POLL_FREQUENCY": "2"}
     log = (tmp_path / "runner.log").open("wb")
     runner = subprocess.Popen([sys.executable, "-c", SERVE], env=env, stdout=log, stderr=subprocess.STDOUT,
                               start_new_session=True)
+    port = free_port()
+    state = tmp_path / "models" / ".rollout" / "server.json"
     try:
+        # A good deployment serving on a fixed port: what the cancelled redeploy must leave behind.
+        deploy_model(demo_config(local_hub.endpoint, tmp_path / "models", port=port, concurrency_levels=[1],
+                                 level_duration_s=1.0, keep_serving=True))
+        good = serving_group(state)
+        assert good is not None and _answer(port) == " 44 45 46"
         # A sweep long enough to be cancelled in the middle of it.
-        config = demo_config(local_hub.endpoint, tmp_path / "models", requests_per_level=4000,
-                             level_duration_s=None, output_len=64)
+        config = demo_config(local_hub.endpoint, tmp_path / "models", requests_per_level=4000, port=port,
+                             level_duration_s=None, output_len=64, keep_serving=True)
         with get_client(sync_client=True) as client:
             _wait(lambda: _has_deployment(client), 120, "the served deployment")
         run = run_deployment("deploy-model/cancel-test", parameters={"config": config.model_dump(mode="json")},
@@ -51,15 +74,28 @@ def test_cancel_mid_sweep_stops_vllm(local_hub, tmp_path):
             client.set_flow_run_state(run.id, Cancelling(), force=True)
             final = _wait(lambda: (s := client.read_flow_run(run.id).state).is_final() and s, 120, "cancellation")
         assert final.is_cancelled(), final
-        _wait(lambda: vllm_processes() == [], 60, "vLLM to be gone")
-        assert not (tmp_path / "models" / ".rollout" / "server.json").exists()
+        # The new server stopped and the last good one started again on its port: by the run itself
+        # on SIGTERM, or, where the runner killed it first, by its swap's guard.
+        _wait(lambda: _answer(port) == " 44 45 46", 300, "the last good deployment to answer again")
+        back = read_last_good(tmp_path / "models" / ".rollout")
+        assert back.serving_pgid == serving_group(state) not in (None, good)
+        assert len({group for group in map(_pgid, vllm_processes())}) == 1  # one server, no orphan
         # The cancelled run gave the host back, at the latest when its lease lapsed (the runner
         # kills a flow process that does not exit in its grace period): the next deploy may start.
         with host_lock(wait_s=LEASE_S + 30):
             pass
     finally:
+        reap_stale(state)
         os.killpg(runner.pid, 15)
         runner.wait(timeout=30)
+    assert vllm_processes() == []
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
 
 
 def _has_deployment(client) -> bool:

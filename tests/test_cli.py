@@ -54,7 +54,7 @@ def test_bench_sweeps_any_openai_server_until_it_saturates(tmp_path):
     "args, code, expected",
     [
         (["--model", "other", "--vocab-size", "1000"], 1, "--model 'other' is not served at"),
-        (["--model", "fake", "--api", "chat"], 2, "chat prompts need the served model's tokenizer"),
+        (["--model", "fake", "--dataset", "/nonexistent.jsonl"], 2, "/nonexistent.jsonl: not JSONL of"),
         (["--model", "fake", "--vocab-size", "1000", "--output-len", "1"], 2, "bad option output_len"),
         (["--model", "fake", "--vocab-size", "1000", "--client-cpus", "0-"], 2, "bad option client_cpus"),
     ],

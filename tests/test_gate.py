@@ -38,3 +38,23 @@ def test_the_gate_flags_real_slowdowns_and_nothing_else():
     slight = [check_regression(baseline, _run(0.05, 30 + i), 0.1) for i in range(3)]
     assert [r.status for r in slight] == ["passed"] * 3, [r.note for r in slight]
     assert all("within 10%" in r.compared for r in slight)
+
+
+def test_runs_under_another_load_are_not_compared():
+    """A nightly at input 1024 after a redeploy at input 64 measures the load, not the deployment."""
+    from datetime import datetime, timezone
+
+    from tasks.history.runs import comparison
+
+    def record(load: str | None, peak: float, at: int) -> RunRecord:
+        return RunRecord(model="org/m", revision="main", commit=f"{at:040d}", time=datetime(2026, 12, 5, at,
+                         tzinfo=timezone.utc), host="h", gpu="cpu", vllm_version="0", parallelism="TP=1",
+                         single_stream_tok_s=peak / 10, peak_tok_s=peak, knee_concurrency=8, p99_ttft_ms=10.0,
+                         load=load)
+
+    short, long = "completions, input 64, output 32 tokens", "completions, input 1024, output 256 tokens"
+    assert check_regression(record(short, 1000.0, 1), record(long, 100.0, 2), 0.1).status == "passed"
+    assert check_regression(record(short, 1000.0, 1), record(short, 100.0, 2), 0.1).status == "regressed"
+    assert check_regression(record(None, 1000.0, 1), record(long, 100.0, 2), 0.1).status == "regressed"
+    table = comparison([record(short, 1000.0, 1), record(long, 100.0, 2), record(long, 95.0, 3)])
+    assert list(table["peak_change"].fillna("-")) == ["-", "-", "-5.0%"] and list(table["regression"]) == ["", "", ""]

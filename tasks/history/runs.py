@@ -20,13 +20,15 @@ from tasks.host import host_name
 
 # Columns of the comparison table, in print order.
 COLUMNS = ["time", "model", "revision", "single_stream_tok_s", "peak_tok_s", "knee_concurrency", "p99_ttft_ms",
-           "accuracy", "perplexity", "vllm_version", "gpu", "status", "peak_change", "regression", "flow_run_id"]
+           "accuracy", "perplexity", "vllm_version", "gpu", "status", "peak_change", "regression", "flow_run_id",
+           "host", "load"]
 # The same columns as a person reads them: units in the headers, values rounded to what they resolve.
 READABLE = {"time": "time (UTC)", "model": "model", "revision": "revision",
             "single_stream_tok_s": "single stream tok/s",
             "peak_tok_s": "peak tok/s", "knee_concurrency": "knee", "p99_ttft_ms": "p99 TTFT ms",
             "accuracy": "accuracy", "perplexity": "perplexity", "status": "status",
-            "peak_change": "peak tok/s vs last good", "vllm_version": "vLLM", "gpu": "GPUs"}
+            "peak_change": "peak tok/s vs last good", "vllm_version": "vLLM", "gpu": "GPUs", "host": "host",
+            "load": "load"}
 
 
 class RunRecord(BaseModel):
@@ -49,6 +51,7 @@ class RunRecord(BaseModel):
     peak_ci: tuple[float, float] | None = None
     p99_ttft_ci: tuple[float, float] | None = None
     answers: AnswerBaseline | None = None  # the answer check's figures and outputs: the next check's baseline
+    load: str | None = None  # the benchmark's load in words (BenchSpec.load); None in records from before it was kept
     status: str = "passed"
     note: str = ""
     compared: str = ""  # the change against the previous good run of the same model on the same GPUs
@@ -56,7 +59,8 @@ class RunRecord(BaseModel):
 
 
 def run_record(results: list[LevelResult], model: str, revision: str, commit: str, gpu: str, vllm_version: str,
-               parallelism: str, flow_run_id: str | None = None, answers: AnswerBaseline | None = None) -> RunRecord:
+               parallelism: str, flow_run_id: str | None = None, answers: AnswerBaseline | None = None,
+               load: str | None = None) -> RunRecord:
     """Single stream, the knee's throughput and its p99 TTFT, from one sweep's rows."""
     best = knee(results)
     single = next((r for r in results if r.concurrency == 1), None)
@@ -72,6 +76,7 @@ def run_record(results: list[LevelResult], model: str, revision: str, commit: st
         p99_ttft_ci=best.ttft.p99_ci if best else None,
         flow_run_id=flow_run_id,
         answers=answers,
+        load=load,
     )
 
 
@@ -119,7 +124,7 @@ def check_regression(previous: RunRecord | None, current: RunRecord, threshold: 
     """The record with why it passed or regressed against `previous` (each figure with its interval),
     marked regressed where a figure is worse beyond `threshold` and outside the noise; with no
     threshold it is compared, never marked."""
-    if previous is None or previous.model != current.model or previous.gpu != current.gpu:
+    if previous is None or not comparable_runs(previous, current):
         return current
     found = assess(previous, current, threshold)
     against = f"against {previous.commit[:12]} ({previous.time:%Y-%m-%d %H:%M}): "
@@ -130,19 +135,26 @@ def check_regression(previous: RunRecord | None, current: RunRecord, threshold: 
     return current.model_copy(update={"status": "regressed", "note": "regressed " + against + "; ".join(regressed)})
 
 
+def comparable_runs(before: RunRecord, now: RunRecord) -> bool:
+    """The same model on the same GPUs under the same load: a sweep at other lengths or levels
+    measures the load, not the deployment. A record from before loads were kept compares with any."""
+    return (before.model, before.gpu) == (now.model, now.gpu) and (
+        not before.load or not now.load or before.load == now.load)
+
+
 def comparison(records: list[RunRecord], threshold: float | None = 0.1) -> pd.DataFrame:
     """One row per run, oldest first. `peak_change` is peak throughput against the same model's
     previous passed run on the same GPUs; `regression` lists what fell beyond the threshold against it."""
-    rows, last_passed = [], {}
+    rows, passed = [], []
     for record in sorted(records, key=lambda r: r.time):
-        before = last_passed.get((record.model, record.gpu))
+        before = next((r for r in reversed(passed) if comparable_runs(r, record)), None)
         change, found = None, []
         if before is not None:
             if before.peak_tok_s and record.peak_tok_s is not None:
                 change = f"{record.peak_tok_s / before.peak_tok_s - 1:+.1%}"
             found = [text for text, bad in assess(before, record, threshold) if bad]
         if record.status == "passed" and not found:
-            last_passed[(record.model, record.gpu)] = record
+            passed.append(record)
         revision = record.commit[:12] if record.revision == record.commit else f"{record.revision} ({record.commit[:7]})"
         answers = record.answers
         rows.append({**record.model_dump(), "time": f"{record.time:%Y-%m-%d %H:%M:%S}", "revision": revision,
@@ -163,7 +175,7 @@ def readable(table: pd.DataFrame, wide: bool = False) -> pd.DataFrame:
         p99_ttft_ms=number("p99_ttft_ms").round(1), perplexity=number("perplexity").map(_sig3),
         accuracy=number("accuracy").map(lambda a: f"{a:.0%}" if pd.notna(a) else None),
         knee_concurrency=number("knee_concurrency").astype("Int64"))
-    columns = [c for c in READABLE if wide or c not in ("vllm_version", "gpu")]
+    columns = [c for c in READABLE if wide or c not in ("vllm_version", "gpu", "host", "load")]
     return shown[columns].rename(columns=READABLE).dropna(axis="columns", how="all")
 
 
