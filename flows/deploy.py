@@ -46,7 +46,7 @@ from tasks.history.last_good import (
 )
 from tasks.history.runs import RunRecord, check_regression, run_record
 from tasks.history.serving import check_state_files, take_over
-from tasks.history.swap import begin_swap, end_swap
+from tasks.history.swap import abandoned_swap, begin_swap, end_swap
 from tasks.history.tuned import read_tuned
 from tasks.host_lock import host_lock
 from tasks.hub import RepoSnapshot, missing_bytes, record_revision, snapshot_dir
@@ -60,6 +60,7 @@ from tasks.steps import (
     fetch,
     hub_token,
     join_on_host,
+    mark_crashed,
     plan_disk,
     probe_gpus,
     publish_record,
@@ -187,6 +188,8 @@ def _deploy(config: DeployConfig, summary: DeploySummary) -> DeployResult:
         if config.take_over and (stopped := take_over(config.run_dir)):
             logger.warning("took over the host: damaged records set aside, vLLM process groups %s stopped", stopped)
         check_state_files(config.run_dir)
+        if (crashed := mark_crashed(abandoned_swap(config.run_dir))) is not None:
+            logger.warning("flow run %s died mid-swap; marked Crashed", crashed)
         if serving_headless(config.run_dir / "server.json"):
             raise HostBusyError("this host runs a secondary node of a multi-node group led from another host: "
                                 "deploy on the leader, or run this host's join-group with leave first")
@@ -204,7 +207,8 @@ def _deploy(config: DeployConfig, summary: DeploySummary) -> DeployResult:
         summary.last_good = comparable(previous or read_last_good(config.run_dir), config.repo_id)
         # From here until a server is promoted or restored, a guard outlives this process: if it dies
         # (kill -9), the unchecked server is stopped and the last good one brought back.
-        begin_swap(config.run_dir, what=f"{config.repo_id}@{prepared.commit[:12]}", models_root=config.models_root)
+        begin_swap(config.run_dir, what=f"{config.repo_id}@{prepared.commit[:12]}", models_root=config.models_root,
+                   flow_run_id=str(flow_run.get_id() or "") or None)
         try:
             if previous is not None:  # from here a failure restores it
                 stop_serving(config.run_dir, summary.serving_before)

@@ -7,6 +7,7 @@ so neither collides with a deploy, and both are runs in Prefect's history (`roll
 from pathlib import Path
 
 from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
 from flows.deploy import restore_last_good
@@ -20,9 +21,9 @@ from tasks.history.last_good import (
     write_last_good,
 )
 from tasks.history.serving import check_state_files
-from tasks.history.swap import begin_swap, end_swap
+from tasks.history.swap import abandoned_swap, begin_swap, end_swap
 from tasks.host_lock import host_lock
-from tasks.steps import stop_serving
+from tasks.steps import mark_crashed, stop_serving
 from tasks.vllm.process import serving_group
 
 
@@ -71,6 +72,8 @@ def rollback_model(target: HostTarget, recover: bool = False) -> str:
         last = read_last_good(run_dir)
         if last is None or last.server is None:
             raise UnusableInput(f"no good deployment to roll back to: {run_dir / 'last-good.json'} records none")
+        if recover and (crashed := mark_crashed(abandoned_swap(run_dir))) is not None:
+            get_run_logger().warning("flow run %s died mid-swap; marked Crashed", crashed)
         serving = serving_group(run_dir / "server.json")
         if recover and serving is not None and serving == last.serving_pgid:
             return f"{_what(last)} (already serving)"
@@ -86,7 +89,8 @@ def rollback_model(target: HostTarget, recover: bool = False) -> str:
                 "nothing served" if serving is None else "the server running was not the last good deployment")
         if not target_record.model_dir.is_dir():
             raise UnusableInput(f"{_what(target_record)}: its files are gone from {target_record.model_dir}")
-        begin_swap(run_dir, what=f"rollback to {_what(target_record)}", models_root=target.models_root)
+        begin_swap(run_dir, what=f"rollback to {_what(target_record)}", models_root=target.models_root,
+                   flow_run_id=str(flow_run.get_id() or "") or None)
         try:
             if serving is not None:
                 stop_serving(run_dir, "the server rolled back from")

@@ -16,6 +16,7 @@ import httpx
 import pytest
 from conftest import artifact, vllm_processes
 from prefect.blocks.notifications import CustomWebhookNotificationBlock
+from prefect.client.orchestration import get_client
 from prefect.settings import PREFECT_API_URL
 from typer.testing import CliRunner
 
@@ -195,6 +196,7 @@ def test_deploy_status_logs_rollback_stop_and_rollback_again_from_the_shell(hub_
         while (orphan := _recorded_pgid(run_dir)) in (None, good_pgid) or not group_members(orphan):
             assert victim.poll() is None, (tmp_path / "killed.log").read_text()
             time.sleep(0.05)
+        killed_run = json.loads((run_dir / "swap.json").read_text())["flow_run_id"]
         os.kill(victim.pid, signal.SIGKILL)
         victim.wait(timeout=30)
         killed = time.monotonic()
@@ -214,6 +216,8 @@ def test_deploy_status_logs_rollback_stop_and_rollback_again_from_the_shell(hub_
         back = read_last_good(run_dir)
         assert back.serving_pgid == serving_group(run_dir / "server.json") not in (None, orphan)
         assert not (run_dir / "swap.json").exists()
+        with get_client(sync_client=True) as client:  # not "Running" forever: marked by the recovery
+            assert client.read_flow_run(killed_run).state.is_crashed()
         print(f"kill -9 mid-swap: the unpromoted server stopped, the last good serving again {recovered:.0f} s later")
     finally:
         reap_stale(run_dir / "server.json")

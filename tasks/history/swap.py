@@ -53,12 +53,13 @@ def _write(path: Path, record: dict) -> None:
     tmp.replace(path)
 
 
-def begin_swap(run_dir: Path, *, what: str, models_root: Path) -> None:
-    """Record that this process now owns the host's swap, and start its guard."""
+def begin_swap(run_dir: Path, *, what: str, models_root: Path, flow_run_id: str | None = None) -> None:
+    """Record that this process (and its flow run, when it is one) now owns the host's swap, and
+    start its guard."""
     run_dir.mkdir(parents=True, exist_ok=True)
     pid = os.getpid()
     _write(swap_file(run_dir), {"deploy_pid": pid, "deploy_started": _start_time(pid), "what": what,
-                                "models_root": str(models_root), "since": time.time()})
+                                "models_root": str(models_root), "since": time.time(), "flow_run_id": flow_run_id})
     log = (run_dir / "swap-guard.log").open("ab")
     subprocess.Popen([sys.executable, "-m", "tasks.history.swap", str(run_dir)], stdin=subprocess.DEVNULL,
                      stdout=log, stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
@@ -73,6 +74,12 @@ def end_swap(run_dir: Path) -> None:
 def owner_alive(record: dict) -> bool:
     pid = int(record["deploy_pid"])
     return _start_time(pid) is not None and _start_time(pid) == record.get("deploy_started")
+
+
+def abandoned_swap(run_dir: Path) -> dict | None:
+    """The record of a swap whose owner died before closing it: the run that is to be marked crashed."""
+    record = _read(run_dir)
+    return record if record is not None and not owner_alive(record) else None
 
 
 def _read(run_dir: Path) -> dict | None:
