@@ -69,11 +69,11 @@ def rollback_model(target: HostTarget, recover: bool = False) -> str:
     run_dir = target.run_dir
     with host_lock():
         check_state_files(run_dir)
+        if recover and (crashed := mark_crashed(abandoned_swap(run_dir))) is not None:
+            get_run_logger().warning("flow run %s died mid-swap; marked Crashed", crashed)
         last = read_last_good(run_dir)
         if last is None or last.server is None:
             raise UnusableInput(f"no good deployment to roll back to: {run_dir / 'last-good.json'} records none")
-        if recover and (crashed := mark_crashed(abandoned_swap(run_dir))) is not None:
-            get_run_logger().warning("flow run %s died mid-swap; marked Crashed", crashed)
         serving = serving_group(run_dir / "server.json")
         if recover and serving is not None and serving == last.serving_pgid:
             return f"{_what(last)} (already serving)"
