@@ -36,11 +36,12 @@ def swap_file(run_dir: Path) -> Path:
 
 def _start_time(pid: int) -> str | None:
     """The process's start time in clock ticks (/proc/PID/stat field 22): a pid the kernel reuses
-    for another process is not the deploy."""
+    for another process is not the deploy. None for a process gone, or dead and not yet reaped."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
         return None
+    return None if fields[0] in ("Z", "X") or len(fields) < 20 else fields[19]
 
 
 def _write(path: Path, record: dict) -> None:
