@@ -90,10 +90,13 @@ def test_adding_a_host_is_one_entry_and_the_committed_deployments_are_the_render
     box2 = [d for d in rendered["deployments"] if d["name"] == "gpu-box-2"]
     assert sorted(d["entrypoint"] for d in box2) == [
         "flows/deploy.py:deploy_model", "flows/group.py:join_group", "flows/nightly.py:nightly_refresh",
-        "flows/tune.py:tune_model"]
+        "flows/operate.py:rollback_model", "flows/operate.py:stop_model", "flows/tune.py:tune_model"]
     for d in box2:
         assert d["work_pool"] == {"name": "gpu-box-2", "work_queue_name": "default",
                                   "job_variables": {"env": {"ROLLOUT_HOST": "gpu-box-2"}}}
+        if "target" in d["parameters"]:  # the operator's stop and rollback: the host's models root
+            assert d["parameters"]["target"] == {"models_root": "/data/models"}
+            continue
         config = d["parameters"]["config"].get("deploy", d["parameters"]["config"])
         assert (config["models_root"], config["port"]) == ("/data/models", 8001)
     fleet = next(d for d in rendered["deployments"] if d["name"] == "fleet")

@@ -219,6 +219,13 @@ def test_deploy_status_logs_rollback_stop_and_rollback_again_from_the_shell(hub_
         with get_client(sync_client=True) as client:  # not "Running" forever: marked by the recovery
             assert client.read_flow_run(killed_run).state.is_crashed()
         print(f"kill -9 mid-swap: the unpromoted server stopped, the last good serving again {recovered:.0f} s later")
+
+        # A redeploy that passes, once the host is whole again: exit 0, the new server on the port.
+        code, out, err = _rollout(*deploy)
+        assert code == 0, out + err
+        assert out.rstrip().endswith(f"serving {repo_id}@{good.commit[:12]} at http://127.0.0.1:{port}/v1")
+        assert read_last_good(run_dir).serving_pgid == serving_group(run_dir / "server.json") != back.serving_pgid
+        assert _answer(port, repo_id) == " 44 45 46"
     finally:
         reap_stale(run_dir / "server.json")
         shutil.rmtree(hub_root / repo_id, ignore_errors=True)
