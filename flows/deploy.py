@@ -48,7 +48,7 @@ from tasks.history.runs import RunRecord, check_regression, run_record
 from tasks.history.serving import check_state_files, take_over
 from tasks.history.swap import abandoned_swap, begin_swap, end_swap
 from tasks.history.tuned import read_tuned
-from tasks.host_lock import host_lock
+from tasks.host_lock import host_lock, mark_crashed
 from tasks.hub import RepoSnapshot, missing_bytes, record_revision, snapshot_dir
 from tasks.notify import emit_rolled_back
 from tasks.run_labels import label_run
@@ -60,7 +60,6 @@ from tasks.steps import (
     fetch,
     hub_token,
     join_on_host,
-    mark_crashed,
     plan_disk,
     probe_gpus,
     publish_record,
@@ -162,11 +161,13 @@ def deploy_model(config: DeployConfig) -> DeployResult:
     summary = DeploySummary(config.repo_id, config.revision)
     try:
         result = _deploy(config, summary)
-    except (Exception, KeyboardInterrupt, SystemExit) as err:  # a run cancelled by Prefect publishes nothing
-        # more (its hooks stop the server); SIGTERM and Ctrl-C are said, rollback included
-        summary.publish(err)
-        if summary.rollback is not None:
-            emit_rolled_back(config.repo_id, summary.verdict(err))  # the automation tells a person
+    except BaseException as err:  # SIGTERM, Ctrl-C and a cancel too: the summary says how it ended
+        try:
+            summary.publish(err)
+            if summary.rollback is not None:
+                emit_rolled_back(config.repo_id, summary.verdict(err))  # the automation tells a person
+        except Exception as lost:  # the API may be going away with the process: the error stands
+            get_run_logger().warning("the run's summary was not published: %s", first_line(lost))
         raise
     summary.publish()
     return result
@@ -184,7 +185,7 @@ def _deploy(config: DeployConfig, summary: DeploySummary) -> DeployResult:
         logger.info("serving with the settings a tune run promoted on %s: %s", f"{tuned.time:%Y-%m-%d %H:%M}",
                     tuned.candidate)
         config = config.model_copy(update={"vllm": tuned.settings})
-    with host_lock():  # first: reaping a "stale" server is only safe when no other deploy runs
+    with host_lock(run_dir=config.run_dir):  # first: reaping a "stale" server is only safe when no other deploy runs
         if config.take_over and (stopped := take_over(config.run_dir)):
             logger.warning("took over the host: damaged records set aside, vLLM process groups %s stopped", stopped)
         check_state_files(config.run_dir)

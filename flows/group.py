@@ -23,7 +23,7 @@ def join_group(config: DeployConfig, leave: bool = False) -> str:
     start vLLM headless as the rank in `config.vllm`; with `leave`, only stop it. The host lock is
     held: a nightly or a redeploy of this host waits, rather than taking the GPUs from the group."""
     logger = get_run_logger()
-    with host_lock():
+    with host_lock(run_dir=config.run_dir):
         if not leave:
             with warming_option_table(config.run_dir):
                 prepared = prepare_steps(config, run_prefix="join ")

@@ -22,8 +22,8 @@ from tasks.history.last_good import (
 )
 from tasks.history.serving import check_state_files
 from tasks.history.swap import abandoned_swap, begin_swap, end_swap
-from tasks.host_lock import host_lock
-from tasks.steps import mark_crashed, stop_serving
+from tasks.host_lock import host_lock, mark_crashed
+from tasks.steps import stop_serving
 from tasks.vllm.process import serving_group
 
 
@@ -46,7 +46,7 @@ def _what(record: LastGood | None) -> str:
 def stop_model(target: HostTarget) -> int | None:
     """Stop the host's vLLM server; the last good record stays, so `rollback` can start it again.
     Returns the stopped process group, None when nothing ran."""
-    with host_lock():
+    with host_lock(run_dir=target.run_dir):
         check_state_files(target.run_dir)
         last = read_last_good(target.run_dir)
         pgid = serving_group(target.run_dir / "server.json")
@@ -67,7 +67,7 @@ def rollback_model(target: HostTarget, recover: bool = False) -> str:
     good one serves, unless `recover` (what a swap's guard runs after its deploy died: the last good
     one back, or nothing done). Returns what serves now."""
     run_dir = target.run_dir
-    with host_lock():
+    with host_lock(run_dir=run_dir):
         check_state_files(run_dir)
         if recover and (crashed := mark_crashed(abandoned_swap(run_dir))) is not None:
             get_run_logger().warning("flow run %s died mid-swap; marked Crashed", crashed)

@@ -50,7 +50,7 @@ def tune_model(config: TuneConfig) -> list[CandidateResult]:
     logger = get_run_logger()
     deploy = config.deploy.model_copy(update={"use_tuned": False})
     started = time.monotonic()
-    with host_lock():
+    with host_lock(run_dir=deploy.run_dir):
         previous = serving_deployment(deploy.run_dir)
         with warming_option_table(deploy.run_dir):
             prepared = prepare_steps(deploy, run_prefix="tune ")

@@ -143,5 +143,7 @@ def failed_stage(err: BaseException) -> str:
     """The step a failure stopped, in words: the project's own errors say; anything else is unforeseen."""
     if isinstance(err, RolloutError):
         return err.stage
-    return "an interruption (SIGTERM or Ctrl-C)" if isinstance(err, (KeyboardInterrupt, SystemExit)) else \
-        "an unexpected error"
+    # Prefect's own signal exceptions (TerminationSignal, a cancel) derive from its ExternalSignal.
+    interrupted = isinstance(err, (KeyboardInterrupt, SystemExit)) or any(
+        cls.__name__ == "ExternalSignal" for cls in type(err).__mro__)
+    return "an interruption (SIGTERM, Ctrl-C or a cancel)" if interrupted else "an unexpected error"

@@ -8,21 +8,26 @@ lapses instead of blocking it until someone logs in.
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 import re
+import threading
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
+from pathlib import Path
+from uuid import UUID
 
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-from prefect.concurrency.sync import concurrency
-from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound, PrefectHTTPStatusError
+from prefect.states import Crashed
 
 from tasks.errors import HostBusyError
 from tasks.host import host_name
 
 LEASE_S = 60.0  # renewed while the deploy lives; a deploy killed with SIGKILL frees the host after this
-GRANT_S = 60.0  # for the server to grant a free slot: its answers wait on the database under load
 
 
 def limit_name(host: str | None = None) -> str:
@@ -46,26 +51,122 @@ def _taken(name: str) -> bool:
     return limit.active_slots >= limit.limit
 
 
+def _holder_file(run_dir: Path) -> Path:
+    return run_dir / "lock.json"
+
+
+def _free_dead_holder(run_dir: Path) -> str | None:
+    """Free the host from a deploy that died holding its lock (kill -9, OOM): its lease is released at
+    once, not when it lapses, and its run is marked crashed. Returns the dead run's id or pid."""
+    try:
+        held = json.loads(_holder_file(run_dir).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    if _alive(held):
+        return None
+    with get_client(sync_client=True) as client:
+        try:
+            client.release_concurrency_slots_with_lease(UUID(held["lease_id"]))
+        except (PrefectHTTPStatusError, KeyError, ValueError):
+            pass  # lapsed already, or released by another look
+    mark_crashed(held)
+    _holder_file(run_dir).unlink(missing_ok=True)
+    return held.get("flow_run_id") or f"pid {held.get('deploy_pid')}"
+
+
+def _alive(held: dict) -> bool:
+    """The holder's process, by pid and start time (a reused pid is another process)."""
+    try:
+        fields = Path(f"/proc/{int(held['deploy_pid'])}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, KeyError, ValueError):
+        return False
+    return fields[0] not in ("Z", "X") and fields[19] == held.get("deploy_started")
+
+
+def mark_crashed(record: dict | None) -> str | None:
+    """A run whose process died (kill -9) stays Running forever, since nothing is left to report
+    for it: it is marked Crashed, naming why. Returns its id where one was marked."""
+    run_id = record.get("flow_run_id") if record else None
+    if not run_id:
+        return None
+    with get_client(sync_client=True) as client:
+        if client.read_flow_run(run_id).state.is_final():
+            return None
+        client.set_flow_run_state(run_id, Crashed(message=f"its process (pid {record.get('deploy_pid')}) died "
+                                                          f"({record.get('what', 'holding the host lock')}); "
+                                                          "the host went on without it"), force=True)
+    return run_id
+
+
 @contextmanager
-def host_lock(host: str | None = None, wait_s: float = 5.0) -> Iterator[str]:
+def host_lock(host: str | None = None, wait_s: float = 5.0, run_dir: Path | None = None) -> Iterator[str]:
     """Hold the host's single slot for the block; refuse when another deploy holds it for `wait_s`.
 
     Busy is read off the limit's taken slots, not off a slow acquisition: under load (SQLite, three
     workers polling) the server took more than 5 s to grant a free slot, and the host was called busy.
+    With `run_dir`, the holder is recorded there (lock.json: pid, start time, lease, flow run), so a
+    later look frees a lock whose holder died instead of waiting for its lease to lapse; Prefect's
+    embedded server runs no service that revokes lapsed leases at all.
     """
     name = limit_name(host)
+    freed = _free_dead_holder(run_dir) if run_dir is not None else None
     deadline = time.monotonic() + wait_s
     while _taken(name):
         if time.monotonic() > deadline:
             raise _busy(name)
         time.sleep(1.0)
-    with ExitStack() as held:
-        try:  # only the acquisition: a TimeoutError from inside the block is the block's own
-            held.enter_context(concurrency(name, occupy=1, timeout_seconds=GRANT_S, strict=True,
-                                           lease_duration=LEASE_S))
-        except TimeoutError as exc:  # another deploy took the slot between the look and the grant
+    with get_client(sync_client=True) as client:
+        try:
+            granted = client.increment_concurrency_slots_with_lease(names=[name], slots=1, mode="concurrency",
+                                                                    lease_duration=LEASE_S)
+        except PrefectHTTPStatusError as exc:  # another deploy took the slot between the look and the grant
             raise _busy(name) from exc
+    lease_id = UUID(granted.json()["lease_id"])
+    if freed:
+        logging.getLogger(__name__).warning("freed host lock %s from %s, which died holding it", name, freed)
+    stop = threading.Event()
+    renewer = threading.Thread(target=_renew, args=(lease_id, stop), name="host-lock-lease", daemon=True)
+    renewer.start()
+    if run_dir is not None:
+        _record_holder(run_dir, lease_id)
+    try:
         yield name
+    finally:
+        stop.set()
+        renewer.join(timeout=10)
+        if run_dir is not None:
+            _holder_file(run_dir).unlink(missing_ok=True)
+        with get_client(sync_client=True) as client:
+            try:
+                client.release_concurrency_slots_with_lease(lease_id)
+            except PrefectHTTPStatusError:
+                pass  # the lease lapsed while the API was away: the slot is free already
+
+
+def _renew(lease_id: UUID, stop: threading.Event) -> None:
+    """Renew the lease every third of its life while the block runs; a missed renewal is tried again
+    at the next turn (the lease outlives two misses)."""
+    while not stop.wait(LEASE_S / 3):
+        try:
+            with get_client(sync_client=True) as client:
+                client.renew_concurrency_lease(lease_id, lease_duration=LEASE_S)
+        except Exception as exc:  # the API away for a moment: the next turn tries again
+            logging.getLogger(__name__).warning("host lock lease not renewed: %s", exc)
+
+
+def _record_holder(run_dir: Path, lease_id: UUID) -> None:
+    from prefect.runtime import flow_run
+
+    pid = os.getpid()
+    try:
+        started = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except OSError:
+        started = None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = _holder_file(run_dir).with_suffix(".tmp")
+    tmp.write_text(json.dumps({"deploy_pid": pid, "deploy_started": started, "lease_id": str(lease_id),
+                               "flow_run_id": str(flow_run.get_id() or "") or None}))
+    tmp.replace(_holder_file(run_dir))
 
 
 def _busy(name: str) -> HostBusyError:

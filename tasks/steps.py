@@ -239,24 +239,6 @@ def is_measured(key: str) -> bool:
     return get_result_store().update_for_task(measure_candidate).exists(key)
 
 
-def mark_crashed(record: dict | None) -> str | None:
-    """A swap's owner died (kill -9): its flow run, left Running forever by a process that can no
-    longer report, is marked Crashed, naming why. Returns the run's id where one was marked."""
-    from prefect.client.orchestration import get_client
-    from prefect.states import Crashed
-
-    run_id = record.get("flow_run_id") if record else None
-    if not run_id:
-        return None
-    with get_client(sync_client=True) as client:
-        if client.read_flow_run(run_id).state.is_final():
-            return None
-        client.set_flow_run_state(run_id, Crashed(message=f"its process (pid {record['deploy_pid']}) died mid-swap "
-                                                          f"({record['what']}); the host recovered without it"),
-                                  force=True)
-    return run_id
-
-
 # The fleet
 def run_on_host(deployment: str, parameters: dict, pickup_deadline_s: float, tags: list[str] | None = None) -> FlowRun:
     """Run a host's deployment on its worker and wait until the run ends.
