@@ -90,11 +90,14 @@ def mark_crashed(record: dict | None) -> str | None:
     if not run_id:
         return None
     with get_client(sync_client=True) as client:
-        if client.read_flow_run(run_id).state.is_final():
+        try:
+            if client.read_flow_run(run_id).state.is_final():
+                return None
+            client.set_flow_run_state(run_id, Crashed(message=f"its process (pid {record.get('deploy_pid')}) died "
+                                                              f"({record.get('what', 'holding the host lock')}); "
+                                                              "the host went on without it"), force=True)
+        except (ObjectNotFound, PrefectHTTPStatusError):  # a run of another Prefect server: not ours to mark
             return None
-        client.set_flow_run_state(run_id, Crashed(message=f"its process (pid {record.get('deploy_pid')}) died "
-                                                          f"({record.get('what', 'holding the host lock')}); "
-                                                          "the host went on without it"), force=True)
     return run_id
 
 
