@@ -23,11 +23,20 @@ SPACE = TuneSpace(layouts=[Layout(tensor_parallel_size=1)], max_num_seqs=[2, 16]
 
 
 def _task_states(flow_run_id) -> dict[str, str]:
+    """The run's task states once every one is final: task states reach the server as events, and
+    under load a Cached task was read back as Running a moment after its flow returned."""
+    import time
+
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
+    deadline = time.monotonic() + 60
     with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+        while True:
+            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+            if all(t.state and t.state.is_final() for t in runs) or time.monotonic() > deadline:
+                break
+            time.sleep(1)
     return {t.name: t.state_name for t in runs}
 
 
