@@ -56,7 +56,8 @@ def test_prefect_yaml_registers_the_nightly_and_redeploy_deployments(registered)
     # The operator's forms: the host's models root, run by its own worker.
     for operator in (rollback, stop):
         assert operator.parameters == {"target": {"models_root": "/models"}}
-        assert operator.work_pool_name == "gpu-box-1" and operator.job_variables == {"env": {"ROLLOUT_HOST": "gpu-box-1"}}
+        assert operator.work_pool_name == "gpu-box-1"
+        assert operator.job_variables == {"env": {"ROLLOUT_HOST": "gpu-box-1"}}
         assert "startup_timeout_s" in operator.parameter_openapi_schema["definitions"]["HostTarget"]["properties"]
     # The tune form: the model as the redeploy's, the candidate space with the 8-GPU Kimi-K2.5 default.
     assert tune.parameters["config"]["deploy"]["repo_id"] == "moonshotai/Kimi-K2.5"
