@@ -25,7 +25,9 @@ from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound, PrefectHTTPS
 from prefect.states import Crashed
 
 from tasks.errors import HostBusyError
+from tasks.history.swap import owner_alive, write_record
 from tasks.host import host_name
+from tasks.vllm.process import process_start_time
 
 LEASE_S = 60.0  # renewed while the deploy lives; a deploy killed with SIGKILL frees the host after this
 
@@ -62,7 +64,7 @@ def _free_dead_holder(run_dir: Path) -> str | None:
         held = json.loads(_holder_file(run_dir).read_text())
     except (FileNotFoundError, ValueError):
         return None
-    if _alive(held):
+    if owner_alive(held):
         return None
     with get_client(sync_client=True) as client:
         try:
@@ -72,15 +74,6 @@ def _free_dead_holder(run_dir: Path) -> str | None:
     mark_crashed(held)
     _holder_file(run_dir).unlink(missing_ok=True)
     return held.get("flow_run_id") or f"pid {held.get('deploy_pid')}"
-
-
-def _alive(held: dict) -> bool:
-    """The holder's process, by pid and start time (a reused pid is another process)."""
-    try:
-        fields = Path(f"/proc/{int(held['deploy_pid'])}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, KeyError, ValueError):
-        return False
-    return fields[0] not in ("Z", "X") and fields[19] == held.get("deploy_started")
 
 
 def mark_crashed(record: dict | None) -> str | None:
@@ -158,18 +151,14 @@ def _renew(lease_id: UUID, stop: threading.Event) -> None:
 
 
 def _record_holder(run_dir: Path, lease_id: UUID) -> None:
+    """lock.json: who holds the host's slot, in the swap record's terms, so one liveness check reads both."""
     from prefect.runtime import flow_run
 
     pid = os.getpid()
-    try:
-        started = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except OSError:
-        started = None
     run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = _holder_file(run_dir).with_suffix(".tmp")
-    tmp.write_text(json.dumps({"deploy_pid": pid, "deploy_started": started, "lease_id": str(lease_id),
-                               "flow_run_id": str(flow_run.get_id() or "") or None}))
-    tmp.replace(_holder_file(run_dir))
+    write_record(_holder_file(run_dir), {"deploy_pid": pid, "deploy_started": process_start_time(pid),
+                                         "lease_id": str(lease_id),
+                                         "flow_run_id": str(flow_run.get_id() or "") or None})
 
 
 def _busy(name: str) -> HostBusyError:

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from tasks.vllm.process import group_members, stop_group
+from tasks.vllm.process import group_members, process_start_time, stop_group
 
 POLL_S = 0.5
 RECOVER_FOR_S = 600.0  # the dead deploy's lease on the host lock lapses within about 75 s
@@ -34,17 +34,7 @@ def swap_file(run_dir: Path) -> Path:
     return run_dir / "swap.json"
 
 
-def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks (/proc/PID/stat field 22): a pid the kernel reuses
-    for another process is not the deploy. None for a process gone, or dead and not yet reaped."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] in ("Z", "X") or len(fields) < 20 else fields[19]
-
-
-def _write(path: Path, record: dict) -> None:
+def write_record(path: Path, record: dict) -> None:
     """Write, fsync, rename: a power cut leaves the old record or the new one, never half of one."""
     tmp = path.with_suffix(".tmp")
     with tmp.open("w") as out:
@@ -59,7 +49,7 @@ def begin_swap(run_dir: Path, *, what: str, models_root: Path, flow_run_id: str 
     start its guard."""
     run_dir.mkdir(parents=True, exist_ok=True)
     pid = os.getpid()
-    _write(swap_file(run_dir), {"deploy_pid": pid, "deploy_started": _start_time(pid), "what": what,
+    write_record(swap_file(run_dir), {"deploy_pid": pid, "deploy_started": process_start_time(pid), "what": what,
                                 "models_root": str(models_root), "since": time.time(), "flow_run_id": flow_run_id})
     log = (run_dir / "swap-guard.log").open("ab")
     subprocess.Popen([sys.executable, "-m", "tasks.history.swap", str(run_dir)], stdin=subprocess.DEVNULL,
@@ -73,8 +63,9 @@ def end_swap(run_dir: Path) -> None:
 
 
 def owner_alive(record: dict) -> bool:
-    pid = int(record["deploy_pid"])
-    return _start_time(pid) is not None and _start_time(pid) == record.get("deploy_started")
+    """Whether the process a record names (`deploy_pid`, `deploy_started`) still runs."""
+    started = process_start_time(int(record["deploy_pid"]))
+    return started is not None and started == record.get("deploy_started")
 
 
 def abandoned_swap(run_dir: Path) -> dict | None:

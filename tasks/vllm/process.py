@@ -52,20 +52,30 @@ def ensure_port_free(host: str, port: int) -> None:
             raise ServerStartError(f"port {host}:{port} is already in use", "port-in-use", "") from exc
 
 
+def _stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat after the command name (state first, pgid third, start time 20th); None for a
+    process that is gone or dead and not yet reaped."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] in ("Z", "X") else fields
+
+
+def process_start_time(pid: int) -> str | None:
+    """When the process started, in clock ticks: with its pid, it names a process that the kernel
+    cannot hand to another one (a reused pid starts later). None once it is gone."""
+    fields = _stat(pid)
+    return fields[19] if fields else None
+
+
+def _pids() -> list[int]:
+    return [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+
+
 def group_members(pgid: int) -> list[int]:
     """Live (non-zombie) processes in a process group, read from /proc."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            members.append(int(entry.name))
-    return members
+    return [pid for pid in _pids() if (fields := _stat(pid)) and int(fields[2]) == pgid]
 
 
 def _cpu_list(cpus: set[int]) -> str:
@@ -177,23 +187,15 @@ def served_model(state_file: Path) -> Path | None:
 
 
 def vllm_groups() -> dict[int, str]:
-    """Every process group on this host that runs vLLM, with its --port where its command names one:
-    what a damaged state file leaves the host unable to account for."""
+    """Every process group on this host that runs vLLM, with its --port where a member's command
+    names one: what a damaged state file leaves the host unable to account for."""
     groups: dict[int, str] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+    for pid in _pids():
+        args = _cmdline(pid).split(b"\0")
+        if pid == os.getpid() or not any(b"vllm" in a.lower() for a in args[:3]) or not (fields := _stat(pid)):
             continue
-        args = _cmdline(int(entry.name)).split(b"\0")
-        if not any(b"vllm" in a.lower() for a in args[:3]) or entry.name == str(os.getpid()):
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] == "Z":
-            continue
-        port = args[args.index(b"--port") + 1].decode() if b"--port" in args[:-1] else groups.get(int(fields[2]), "")
-        groups[int(fields[2])] = port or groups.get(int(fields[2]), "")
+        port = args[args.index(b"--port") + 1].decode() if b"--port" in args[:-1] else ""
+        groups[int(fields[2])] = groups.get(int(fields[2])) or port
     return groups
 
 
