@@ -322,7 +322,10 @@ def test_intervals_hold_the_other_repeats_and_narrow_as_the_level_grows(tmp_path
             for name, figure in HEADLINE.items():
                 inside = [figure(a)[1][0] <= figure(b)[0] <= figure(a)[1][1]
                           for a, b in itertools.permutations(repeats, 2)]
-                assert sum(inside) >= 0.85 * len(inside), (name, seconds, [figure(r) for r in repeats])
+                # Where a 95% interval is right, another repeat's own estimate (as noisy as this one's)
+                # falls inside it about 83% of the time (|X - Y| < 1.96 sigma, X - Y having sigma * sqrt 2),
+                # so 85% failed CI by chance (75 of 90); an interval too narrow by half holds about 50%.
+                assert sum(inside) >= 0.72 * len(inside), (name, seconds, [figure(r) for r in repeats])
             widths["output tok/s", seconds] = np.mean([r.output_throughput_ci[1] - r.output_throughput_ci[0]
                                                       for r in repeats])
             # The sampling part of a median's interval, before the client's timing floor (which no
