@@ -26,6 +26,7 @@ from tasks.deployment.stages import (
     PreparedModel,
     bench_facts,
     comparable,
+    context_length,
     deployment_record,
     gpus_used,
     hardware_plan,
@@ -35,7 +36,14 @@ from tasks.deployment.stages import (
     vocab_size,
 )
 from tasks.disk import GB
-from tasks.errors import AnswerCheckFailed, BenchmarkFailed, HostBusyError, RegressionError, first_line
+from tasks.errors import (
+    AnswerCheckFailed,
+    BenchmarkFailed,
+    FilesChanged,
+    HostBusyError,
+    RegressionError,
+    first_line,
+)
 from tasks.gpu import GpuProbe
 from tasks.history.last_good import (
     LastGood,
@@ -56,6 +64,7 @@ from tasks.steps import (
     answer_check,
     bench_level,
     check_gpus,
+    compare_with_last_good,
     evict_models,
     fetch,
     hub_token,
@@ -65,6 +74,7 @@ from tasks.steps import (
     publish_record,
     publish_results,
     resolve_revision,
+    secret,
     start_vllm,
     stop_serving,
     stop_vllm,
@@ -72,6 +82,7 @@ from tasks.steps import (
     validate_remote,
 )
 from tasks.vllm.command import warming_option_table
+from tasks.vllm.gap import GapProbe, Unavailability
 from tasks.vllm.process import ServerHandle, reap_stale, served_model, serving_headless, stop_server
 from tasks.vllm.settings import ServerConfig
 
@@ -205,29 +216,48 @@ def _deploy(config: DeployConfig, summary: DeploySummary) -> DeployResult:
             for warning in check_gpus(gpu, hardware_plan(config, prepared), config.repo_id):
                 logger.warning("%s: %s", warning.rule, warning.message)
         server = server_config(config, prepared, gpu.platform)
-        summary.last_good = comparable(previous or read_last_good(config.run_dir), config.repo_id)
+        last_good = previous or read_last_good(config.run_dir)
+        summary.last_good = comparable(last_good, config.repo_id)
+        same_weights = _check_files(config, prepared, last_good)
         # From here until a server is promoted or restored, a guard outlives this process: if it dies
         # (kill -9), the unchecked server is stopped and the last good one brought back.
         begin_swap(config.run_dir, what=f"{config.repo_id}@{prepared.commit[:12]}", models_root=config.models_root,
                    flow_run_id=str(flow_run.get_id() or "") or None)
+        old_pgid = previous.serving_pgid if previous else None
         try:
-            if previous is not None:  # from here a failure restores it
-                stop_serving(config.run_dir, summary.serving_before)
-                _group(_left_behind(previous, config), "leave")
-                summary.previous_stopped = True
-            try:
-                _group(config.group_members(), "join")  # the leader waits for every rank at start-up
-                handle, record, rows, stop = _serve_and_bench(config, prepared, gpu, server, summary)
-            except BaseException as err:  # SIGTERM and Ctrl-C too: the host must not be left serving nothing
+            # A client's view of the swap: one-token completions every 0.5 s to whatever server the
+            # host records, from before the old one stops until the next one answers.
+            with GapProbe(config.run_dir / "server.json", api_key=secret(config.api_key_secret)) as probe:
+
+                def swap_gap(new_pgid: int | None) -> Unavailability | None:
+                    if old_pgid is None:
+                        return None  # nothing served before: no gap to measure
+                    if new_pgid is not None:
+                        probe.wait_for_answer(new_pgid)
+                    summary.unavailable = probe.gap(old_pgid=old_pgid, new_pgid=new_pgid)
+                    return summary.unavailable
+
+                if previous is not None:  # from here a failure restores it
+                    probe.wait_for_answer(old_pgid)  # the old server's last answer is the gap's start
+                    stop_serving(config.run_dir, summary.serving_before)
+                    _group(_left_behind(previous, config), "leave")
+                    summary.previous_stopped = True
                 try:
-                    _group(config.group_members(), "leave")
-                except Exception as left:  # a node that cannot leave must not keep the last good one down
-                    logger.warning("the new group's secondary nodes did not all stop: %s", first_line(left))
-                if previous is not None:
-                    summary.rollback, summary.rollback_failed = restore_last_good(
-                        previous, run_dir=config.run_dir, startup_timeout_s=config.startup_timeout_s,
-                        why=f"the new deployment failed after the old server was stopped: `{first_line(err)}`")
-                raise
+                    _group(config.group_members(), "join")  # the leader waits for every rank at start-up
+                    handle, record, rows, stop = _serve_and_bench(config, prepared, gpu, server, summary,
+                                                                  same_weights=same_weights, swap_gap=swap_gap)
+                except BaseException as err:  # SIGTERM and Ctrl-C too: the host must not be left serving nothing
+                    try:
+                        _group(config.group_members(), "leave")
+                    except Exception as left:  # a node that cannot leave must not keep the last good one down
+                        logger.warning("the new group's secondary nodes did not all stop: %s", first_line(left))
+                    if previous is not None:
+                        summary.rollback, summary.rollback_failed = restore_last_good(
+                            previous, run_dir=config.run_dir, startup_timeout_s=config.startup_timeout_s,
+                            why=f"the new deployment failed after the old server was stopped: `{first_line(err)}`")
+                        restored = read_last_good(config.run_dir)
+                        swap_gap(None if summary.rollback_failed or restored is None else restored.serving_pgid)
+                    raise
             promote_last_good(config.run_dir, deployment_record(config, prepared, handle, server, record))
         finally:
             end_swap(config.run_dir)
@@ -236,34 +266,57 @@ def _deploy(config: DeployConfig, summary: DeploySummary) -> DeployResult:
                         base_url=summary.base_url)
 
 
+def _check_files(config: DeployConfig, prepared: PreparedModel, last_good: LastGood | None) -> bool:
+    """Another commit of the last good model: its files compared with the last good ones while that
+    still serves, and a change that alters what the same weights mean refused before the swap.
+    Returns whether the weights are the very same files (then any flipped probe fails)."""
+    if last_good is None or last_good.repo_id != config.repo_id:
+        return False
+    if last_good.commit == prepared.commit:
+        return True
+    if not last_good.model_dir.is_dir():
+        get_run_logger().warning("the last good deployment's files are gone from %s: not compared", last_good.model_dir)
+        return False
+    comparison = compare_with_last_good(prepared.model_dir, last_good, repo_id=config.repo_id, spec=config.answers)
+    if comparison.problems:
+        raise FilesChanged(f"{config.repo_id}@{prepared.commit[:12]}: " + "; ".join(comparison.problems))
+    return comparison.same_weights
+
+
 def _serve_and_bench(config: DeployConfig, prepared: PreparedModel, gpu: GpuProbe, server: ServerConfig,
-                     summary: DeploySummary) -> tuple[ServerHandle, RunRecord, list[LevelResult], str | None]:
+                     summary: DeploySummary, *, same_weights: bool,
+                     swap_gap) -> tuple[ServerHandle, RunRecord, list[LevelResult], str | None]:
     """Start (readiness includes a real token), check its answers, sweep, publish, compare; wrong
     answers or a regression raise, with the run in the history either way."""
     logger = get_run_logger()
     last_run = summary.last_good
     handle, facts = start_vllm(server, config.run_dir, config.startup_timeout_s, config.api_key_secret,
                                config.repo_id)
+    gap = swap_gap(handle.pgid)  # ends at the new server's first answer to a client, if it is promoted
 
-    def record_of(rows: list[LevelResult], answers: AnswerBaseline | None) -> RunRecord:
+    def record_of(rows: list[LevelResult], answers: AnswerBaseline | None, *, promoted: bool = True) -> RunRecord:
+        """The run's history record; the swap's gap only where this server goes on serving (a failed
+        one's gap ends at the restored server's answer: the summary has it)."""
         return run_record(rows, config.repo_id, config.revision, prepared.commit, platform_label(gpu),
                           facts["vllm_version"], parallelism(config.vllm), str(flow_run.get_id() or "") or None,
-                          answers, config.bench.load)
+                          answers, config.bench.load, gap.seconds if gap and promoted else None)
 
     try:
         logger.info("vLLM ready at %s after %.0f s", handle.base_url, handle.startup_s)
         summary.facts = bench_facts(config, prepared, gpu, facts)
         answers = None
         if config.answers.enabled:
-            report = answer_check(handle.base_url, server.served_model_name, config.answers, prepared.model_dir,
-                                  last_run.answers if last_run else None,
-                                  last_run is not None and last_run.commit == prepared.commit,
-                                  config.repo_id, handle.api_key)
+            report = answer_check(handle.base_url, server.served_model_name, config.answers,
+                                  model_dir=prepared.model_dir, last_good=last_run.answers if last_run else None,
+                                  same_commit=last_run is not None and last_run.commit == prepared.commit,
+                                  same_weights=same_weights, repo_id=config.repo_id, api_key=handle.api_key,
+                                  max_model_len=context_length(prepared.model_dir, config.vllm),
+                                  vocab_size=vocab_size(prepared.model_dir), settings=config.vllm)
             answers = report.baseline
             if not report.passed:
                 why = "; ".join(report.problems)
-                summary.record = publish_record(record_of([], answers).model_copy(update={"status": "failed",
-                                                                                          "note": why}))
+                summary.record = publish_record(record_of([], answers, promoted=False).model_copy(
+                    update={"status": "failed", "note": why}))
                 raise AnswerCheckFailed(f"{config.repo_id}@{prepared.commit[:12]}: {why}")
             logger.info("answer check passed: %.0f%% of %d probes right", 100 * report.accuracy, len(report.results))
         summary.results_dir = (config.run_dir / "bench" / model_slug(config.repo_id)
@@ -279,11 +332,13 @@ def _serve_and_bench(config: DeployConfig, prepared: PreparedModel, gpu: GpuProb
         publish_results(rows, config.repo_id, summary.facts, summary.results_dir, summary.stop, gpus)
         if failed := unusable_level(rows):
             why = f"every request failed at concurrency {failed.concurrency}: {failed.first_error}"
-            summary.record = publish_record(record_of(rows, answers).model_copy(update={"status": "failed",
-                                                                                        "note": why}))
+            summary.record = publish_record(record_of(rows, answers, promoted=False).model_copy(
+                update={"status": "failed", "note": why}))
             raise BenchmarkFailed(f"{config.repo_id}@{prepared.commit[:12]}: {why}")
-        record = summary.record = publish_record(check_regression(last_run, record_of(rows, answers),
-                                                                  config.max_regression))
+        record = check_regression(last_run, record_of(rows, answers), config.max_regression)
+        if record.status == "regressed":
+            record = record.model_copy(update={"unavailable_s": None})  # it will not go on serving
+        record = summary.record = publish_record(record)
         if record.status == "regressed":
             raise RegressionError(f"{config.repo_id}@{prepared.commit[:12]} {record.note}")
     except BaseException:

@@ -23,7 +23,8 @@ from tasks.history.last_good import (
 from tasks.history.serving import check_state_files
 from tasks.history.swap import abandoned_swap, begin_swap, end_swap
 from tasks.host_lock import host_lock, mark_crashed
-from tasks.steps import stop_serving
+from tasks.steps import secret, stop_serving
+from tasks.vllm.gap import GapProbe
 from tasks.vllm.process import serving_group
 
 
@@ -91,15 +92,23 @@ def rollback_model(target: HostTarget, recover: bool = False) -> str:
             raise UnusableInput(f"{_what(target_record)}: its files are gone from {target_record.model_dir}")
         begin_swap(run_dir, what=f"rollback to {_what(target_record)}", models_root=target.models_root,
                    flow_run_id=str(flow_run.get_id() or "") or None)
-        try:
-            if serving is not None:
-                stop_serving(run_dir, "the server rolled back from")
-            if target_record is not last:
-                swap_to_previous(run_dir)
-            now, failed = restore_last_good(target_record, run_dir=run_dir,
-                                            startup_timeout_s=target.startup_timeout_s, why=why)
-        finally:
-            end_swap(run_dir)
+        # A client's view, where a server answered before: the rollback's own gap.
+        with GapProbe(run_dir / "server.json", api_key=secret(target_record.api_key_secret)) as probe:
+            try:
+                if serving is not None:
+                    probe.wait_for_answer(serving)  # the old server's last answer is the gap's start
+                    stop_serving(run_dir, "the server rolled back from")
+                if target_record is not last:
+                    swap_to_previous(run_dir)
+                now, failed = restore_last_good(target_record, run_dir=run_dir,
+                                                startup_timeout_s=target.startup_timeout_s, why=why)
+            finally:
+                end_swap(run_dir)
+            if serving is not None and not failed and (restored := read_last_good(run_dir)) is not None:
+                probe.wait_for_answer(restored.serving_pgid)
+                gap = probe.gap(old_pgid=serving, new_pgid=restored.serving_pgid)
+                get_run_logger().warning("unavailable during the rollback: %s", gap.text())
+                now += f" (unavailable {gap.seconds:.1f} s)" if gap.seconds is not None else ""
         if failed:
             raise ServerStartError(f"rollback to {_what(target_record)} failed: {now}. Nothing serves on this host",
                                    "rollback-failed", "")

@@ -25,7 +25,8 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
-from tasks.answers.check import AnswerReport
+from tasks.answers.check import AnswerReport, LoadedAnswers
+from tasks.answers.files import FilesComparison
 from tasks.bench.report import finding_lines, headline_table, with_interval
 from tasks.bench.results import LevelResult
 from tasks.checkpoint.rules import ValidationReport
@@ -38,6 +39,7 @@ from tasks.history.runs import RunRecord, readable
 from tasks.host import host_name
 from tasks.hub import FetchResult
 from tasks.tuning.measure import CandidateResult
+from tasks.vllm.gap import Unavailability
 
 HISTORY = "history-"
 PAGE = 200  # the API's default page limit
@@ -249,6 +251,18 @@ def publish_stopped(repo_id: str, what: str, stopped_pgid: int | None) -> None:
 
 
 # Benchmark and history
+def _under_load(loaded: LoadedAnswers | None) -> str:
+    if loaded is None:
+        return "not asked (off, or no context length and vocabulary to fill the cache with)"
+    if loaded.skipped and not loaded.results:
+        return f"not asked: {loaded.skipped}"
+    right = sum(r.correct for r in loaded.results)
+    usage = f"{loaded.kv_usage:.0%}" if loaded.kv_usage is not None else "an unknown share"
+    return (f"{right} of {len(loaded.results)} probes right with the KV cache {usage} full ({loaded.fills} long "
+            f"requests)" + (f"; {loaded.skipped}" if loaded.skipped else "")
+            + ("; " + "; ".join(loaded.problems) if loaded.problems else ""))
+
+
 def publish_answers(report: AnswerReport, repo_id: str) -> None:
     """Each probe with the expected answer, the new output and the last good one, side by side."""
     def cell(text: str | None) -> str:
@@ -261,13 +275,28 @@ def publish_answers(report: AnswerReport, repo_id: str) -> None:
                                                            "not available from this server")
                + (f" (last good: {was.perplexity:.3g})" if was and was.perplexity else ""),
                f"- **Repeated 3-grams:** {report.repeated_ngrams:.0%}"
-               + (f" (last good: {was.repeated_ngrams:.0%})" if was else "")]
+               + (f" (last good: {was.repeated_ngrams:.0%})" if was else ""),
+               f"- **Under load:** {_under_load(report.under_load)}"]
     verdict = "passed" if report.passed else "FAILED: " + "; ".join(report.problems)
-    rows = ["| prompt | expected | new output | last good output | right |", "|---|---|---|---|---|"]
-    rows += [f"| {cell(r.prompt)} | {cell(r.expected)} | {cell(r.output)} | {cell(r.last_good)} | "
-             f"{'yes' if r.correct else 'no'} |" for r in report.results]
+    rows = ["| asked by | prompt | expected | new output | last good output | right |", "|---|---|---|---|---|---|"]
+    rows += [f"| {'chat' if r.chat else 'completion'} | {cell(r.prompt)} | {cell(r.expected)} | {cell(r.output)} | "
+             f"{cell(r.last_good)} | {'yes' if r.correct else 'no'} |" for r in report.results]
     create_markdown_artifact(key=f"answers-{model_slug(repo_id)}", description=f"answer check {verdict}"[:200],
                              markdown="\n".join([f"# Answer check: {verdict}", "", *figures, "", *rows]))
+
+
+def publish_files_comparison(comparison: FilesComparison, repo_id: str) -> None:
+    """What changed in the model's files since the last good deployment, before any server stopped."""
+    verdict = ("FAILED: " + "; ".join(comparison.problems)) if comparison.problems else "passed"
+    weights = ("the same weight files" if comparison.same_weights else
+               "new weights of the same shapes" if comparison.same_shapes else "new weights, other shapes")
+    rows = ["| file | change | verdict |", "|---|---|---|"]
+    rows += [f"| {c.file} | {c.change.replace('|', '/')} | {'FAILS: ' + c.why if c.fails else 'named'} |"
+             for c in comparison.changes]
+    create_markdown_artifact(key=f"files-{model_slug(repo_id)}", description=f"files vs last good {verdict}"[:200],
+                             markdown="\n".join([f"# Files against the last good deployment: {verdict}", "",
+                                                 f"- **Last good:** {comparison.last_good} ({weights})", "",
+                                                 *(rows if comparison.changes else ["Nothing changed."])]))
 
 
 def publish_bench(results: list[LevelResult], repo_id: str, results_dir: Path) -> None:
@@ -411,6 +440,7 @@ class DeploySummary:
     base_url: str | None = None
     rollback: str | None = None  # what the rollback brought back, or why it could not
     rollback_failed: bool = False
+    unavailable: Unavailability | None = None  # the swap's gap as the probe saw it; None: nothing served before
 
     @property
     def what(self) -> str:
@@ -436,6 +466,10 @@ class DeploySummary:
         verdict = self.verdict(err).replace("\n", " ")
         lines = [f"# {verdict}", "", f"- **Host:** {host_name()}"]
         lines += [f"- **{k}:** {v}" for k, v in self.facts.items()]
+        if self.unavailable is not None:
+            was = self.last_good.unavailable_s if self.last_good else None
+            lines.append(f"- **Unavailable during the swap:** {self.unavailable.text()}"
+                         + (f" (last good deployment's swap: {was:.1f} s)" if was is not None else ""))
         if self.record is not None:
             knee = next((r for r in self.results if r.concurrency == self.record.knee_concurrency), None)
             lines += ["", *_figures(self.record, self.last_good, knee.flags if knee else ""), ""]

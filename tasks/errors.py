@@ -105,6 +105,13 @@ class AnswerCheckFailed(RolloutError):
     stage = "the answer check"
 
 
+class FilesChanged(AnswerCheckFailed):
+    """The new revision's files change what the same weights mean (vocabulary, config): refused
+    before the swap, so the last good deployment never stopped."""
+
+    stage = "the comparison of its files with the last good deployment's, before the swap"
+
+
 class BenchmarkFailed(RolloutError):
     """Every request of a benchmark level failed: the server refuses the load or died under it, and
     a deployment nobody can use is no last good one."""

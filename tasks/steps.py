@@ -17,6 +17,7 @@ from prefect.client.schemas.objects import FlowRun
 
 from tasks import artifacts
 from tasks.answers.check import AnswerBaseline, AnswerReport, check_answers
+from tasks.answers.files import FilesComparison, compare_files
 from tasks.answers.spec import AnswerSpec
 from tasks.bench.load import run_level
 from tasks.bench.report import save_results
@@ -29,14 +30,29 @@ from tasks.errors import GpuConfigError, HostUnreachable, ServerStartError, Vali
 from tasks.findings import Violation
 from tasks.fleet.hosts import FleetHost
 from tasks.fleet.rollout import HostOutcome
-from tasks.gpu import GpuProbe, HardwarePlan, check_hardware, energy_meter, hardware_warnings, probe
+from tasks.gpu import (
+    GpuProbe,
+    HardwarePlan,
+    check_hardware,
+    energy_meter,
+    hardware_warnings,
+    probe,
+)
+from tasks.history.last_good import LastGood
 from tasks.history.runs import RunRecord
-from tasks.hub import FetchResult, RepoFile, RepoSnapshot, fetch_file, is_transient, resolve_snapshot
+from tasks.hub import (
+    FetchResult,
+    RepoFile,
+    RepoSnapshot,
+    fetch_file,
+    is_transient,
+    resolve_snapshot,
+)
 from tasks.tuning.measure import CandidateResult, measure, refusal
 from tasks.tuning.space import Candidate
 from tasks.vllm.process import ServerHandle, reap_stale, stop_server
 from tasks.vllm.readiness import running_facts, start_and_wait
-from tasks.vllm.settings import ServerConfig
+from tasks.vllm.settings import ServerConfig, VllmSettings
 
 
 def secret(block: str | None) -> str | None:
@@ -175,11 +191,28 @@ def stop_serving(run_dir: Path, what: str) -> None:
 
 
 # Answers
+@task(name="compare-files", tags=["answers"], cache_policy=NO_CACHE)
+def compare_with_last_good(model_dir: Path, last_good: LastGood, *, repo_id: str,
+                           spec: AnswerSpec) -> FilesComparison:
+    """The new revision's tokenizer, templates and configs against the last good one's, published;
+    the flow decides what a failing change means (it raises before the swap)."""
+    comparison = compare_files(model_dir, last_good.model_dir, last_good=f"{last_good.repo_id}@{last_good.commit[:12]}",
+                               allow_changes=spec.allow_changed_files)
+    artifacts.publish_files_comparison(comparison, repo_id)
+    return comparison
+
+
 @task(name="answer-check", tags=["answers"], cache_policy=NO_CACHE)
-def answer_check(base_url: str, model: str, spec: AnswerSpec, model_dir: Path, last_good: AnswerBaseline | None,
-                 same_commit: bool, repo_id: str, api_key: str | None = None) -> AnswerReport:
+def answer_check(base_url: str, model: str, spec: AnswerSpec, *, model_dir: Path, last_good: AnswerBaseline | None,
+                 same_commit: bool, same_weights: bool, repo_id: str, api_key: str | None = None,
+                 max_model_len: int | None = None, vocab_size: int | None = None,
+                 settings: VllmSettings | None = None) -> AnswerReport:
     """The check, published; the flow decides what a failed one means (it records it, then raises)."""
-    report = check_answers(base_url, model, spec.for_model(model_dir), last_good, same_commit, api_key)
+    report = check_answers(base_url, model, spec.for_model(model_dir), last_good=last_good, same_commit=same_commit,
+                           same_weights=same_weights, api_key=api_key, max_model_len=max_model_len,
+                           vocab_size=vocab_size,
+                           tools=bool(settings and settings.enable_auto_tool_choice and settings.tool_call_parser),
+                           reasoning=bool(settings and settings.reasoning_parser))
     artifacts.publish_answers(report, repo_id)
     return report
 

@@ -1,9 +1,15 @@
-"""A revision that talks nonsense is never promoted: the nightly deploys it, the answer check fails
-with its figures, and the last good deployment serves again (real vLLM CPU servers)."""
+"""A revision that talks nonsense is never promoted: the nightly deploys it, a check named for the
+damage fails it, and the last good deployment serves (real vLLM CPU servers). Damage in the files
+(tokenizer, config) is refused before the swap; damage only a server shows (a chat template that
+loses the user's message, no logits) fails the answer check and the last good one is restored."""
 
 from __future__ import annotations
 
+import json
 import shutil
+import socket
+import threading
+import time
 import uuid
 
 import httpx
@@ -13,7 +19,7 @@ from conftest import artifact, vllm_processes
 from flows.demo import BF16_REPO, demo_config
 from flows.nightly import nightly_refresh
 from tasks.artifacts import model_slug, read_history
-from tasks.errors import AnswerCheckFailed
+from tasks.errors import AnswerCheckFailed, FilesChanged
 from tasks.history.last_good import read_last_good
 from tasks.vllm.process import reap_stale
 
@@ -32,64 +38,167 @@ def _publish(repo, change) -> None:
     save_file(tensors, weights, metadata={"format": "pt"})
 
 
-def _answer(base_url: str, model: str, prompt: str) -> str:
-    reply = httpx.post(f"{base_url}/v1/completions", timeout=60,
-                       json={"model": model, "prompt": prompt, "max_tokens": 3, "temperature": 0}).json()
+def _chat(base_url: str, model: str, content: str) -> str:
+    reply = httpx.post(f"{base_url}/v1/chat/completions", timeout=60, json={
+        "model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 3, "temperature": 0}).json()
+    return reply["choices"][0]["message"]["content"]
+
+
+def _answer(base_url: str, model: str, prompt: str, max_tokens: int = 3, timeout: float = 60) -> str:
+    reply = httpx.post(f"{base_url}/v1/completions", timeout=timeout,
+                       json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).json()
     return reply["choices"][0]["text"]
 
 
-# Two ways to break it, one after the other against the same good deployment: no logits at all
-# (every output empty), and every token read as another (wrong answers). Negating one layer's routed
-# experts does not do it: counting lives in the shared paths.
-DAMAGES = ("lm_head zeroed", "embeddings shuffled")
+def _unavailable_s(summary: str) -> float:
+    """The swap's gap as the deploy summary states it."""
+    return float(summary.split("**Unavailable during the swap:** ")[1].split(" s ")[0])
 
 
-def _damage(name: str):
-    def damaged(tensors):
-        import torch
-
-        if name == "lm_head zeroed":
-            tensors["lm_head.weight"] = torch.zeros_like(tensors["lm_head.weight"])
-        else:
-            rows = tensors["model.embed_tokens.weight"]
-            tensors["model.embed_tokens.weight"] = rows[torch.randperm(len(rows),
-                                                                      generator=torch.Generator().manual_seed(0))]
-    return damaged
+def _swap_tokens(repo, a: str = "Ġ44", b: str = "Ġ47") -> None:
+    """The tokenizer under the weights changed: two number tokens exchange their ids."""
+    path = repo / "tokenizer.json"
+    data = json.loads(path.read_text())
+    vocab = data["model"]["vocab"]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    path.write_text(json.dumps(data))
 
 
-def test_a_damaged_revision_fails_the_answer_check_and_the_good_one_serves_again(hub_root, local_hub, tmp_path):
+def _rope_times_1000(repo) -> None:
+    """config.json alone changed: the same weights read positions differently."""
+    path = repo / "config.json"
+    config = json.loads(path.read_text())
+    rope = config["rope_parameters"] if "rope_parameters" in config else config  # transformers 5 nests it
+    rope["rope_theta"] = rope.get("rope_theta", 10000.0) * 1000
+    path.write_text(json.dumps(config, indent=2))
+
+
+def _template_drops_the_user(repo) -> None:
+    """A chat template that loses the user's message: completions stay right, chat answers do not."""
+    (repo / "chat_template.jinja").write_text("{{ '20 21 22' }}")
+
+
+def _lm_head_zeroed(repo) -> None:
+    """No logits at all: every output empty."""
+    _publish(repo, lambda tensors: tensors.update(lm_head_weight_zeroed(tensors)))
+
+
+def lm_head_weight_zeroed(tensors):
+    import torch
+
+    return {"lm_head.weight": torch.zeros_like(tensors["lm_head.weight"])}
+
+
+class Client:
+    """A user of the host: asks "41 42 43" every 0.1 s at the host's one address, and notes when it
+    was answered right ("44" first), as the swap's gap is defined from a client's side."""
+
+    def __init__(self, base_url: str, model: str):
+        self.base_url, self.model, self.right = base_url, model, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def __enter__(self) -> "Client":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.1):
+            try:
+                if _answer(self.base_url, self.model, "41 42 43", max_tokens=1, timeout=2) == " 44":
+                    self.right.append(time.time())
+            except (httpx.HTTPError, KeyError, ValueError):
+                pass
+
+    def longest_gap(self, since: float) -> float:
+        times = [t for t in self.right if t >= since]
+        return max(b - a for a, b in zip(times, times[1:]))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_damaged_revisions_are_caught_by_the_check_named_and_the_good_one_serves_again(hub_root, local_hub, tmp_path):
     repo_id = f"answers-{uuid.uuid4().hex[:6]}/tiny-moe"
     repo = hub_root / repo_id
     shutil.copytree(hub_root / BF16_REPO, repo)
-    original = (repo / "model.safetensors").read_bytes()
     local_hub.refresh()
-    config = demo_config(local_hub.endpoint, tmp_path / "models", repo_id=repo_id, **QUICK)
+    # One address for the host, as its clients know it: every server of the test listens there.
+    config = demo_config(local_hub.endpoint, tmp_path / "models", repo_id=repo_id, port=_free_port(), **QUICK)
     state = config.run_dir / "server.json"
+
+    def plant(damage) -> None:
+        shutil.rmtree(repo)
+        shutil.copytree(hub_root / BF16_REPO, repo)
+        damage(repo)
+        local_hub.refresh()
+
     try:
         nightly_refresh(config)  # the first deployment: judged on the absolute checks alone
         good = read_last_good(config.run_dir)
         base_url = f"http://127.0.0.1:{good.server.port}"
         assert good.record.answers.accuracy >= 0.9 and _answer(base_url, repo_id, "41 42 43") == " 44 45 46"
+        assert _chat(base_url, repo_id, "41 42 43") == " 44 45 46"  # the demo model ships a chat template
 
-        for damage in DAMAGES:
-            (repo / "model.safetensors").write_bytes(original)
-            _publish(repo, _damage(damage))
-            local_hub.refresh()
-            with pytest.raises(AnswerCheckFailed, match="accuracy"):
+        # Caught in the files, before the swap: the good server never stops (same process group).
+        for damage, named in ((_swap_tokens, "tokenizer: the ids of 2 tokens changed: 'Ġ47' 353 -> 364, "
+                                             "'Ġ44' 364 -> 353"),
+                              (_rope_times_1000, "rope_theta 10000.0 -> 10000000.0")):
+            plant(damage)
+            with pytest.raises(FilesChanged, match="before the swap|under weights of the same shapes|"
+                                                   "the same weight files, computed differently"):
                 nightly_refresh(config)
+            files = artifact(f"files-{model_slug(repo_id)}").data
+            assert files.startswith("# Files against the last good deployment: FAILED") and named in files, files
+            assert read_last_good(config.run_dir).serving_pgid == good.serving_pgid
+            summary = artifact(f"deploy-{model_slug(repo_id)}").data.splitlines()[0]
+            assert summary.startswith(f"# Failed: {repo_id}@") and summary.endswith("keeps serving"), summary
+
+        # Caught by the server's answers, after the swap: the good deployment is restored. A client
+        # asking throughout sees the swap's gap as the run recorded it, to within 1 s: from the good
+        # server's last answer to the restored one's first (the zeroed lm_head's answers are empty;
+        # the broken template's server answers completions right, so its client saw two gaps).
+        for damage, problem in ((_template_drops_the_user, "probes right for the last good deployment are wrong now"),
+                                (_lm_head_zeroed, "accuracy 0% below 80%")):
+            plant(damage)
+            with Client(base_url, repo_id) as client, pytest.raises(AnswerCheckFailed, match=problem):
+                started = time.time()
+                nightly_refresh(config)
+            recorded = _unavailable_s(artifact(f"deploy-{model_slug(repo_id)}").data)
+            if damage is _lm_head_zeroed:
+                assert abs(client.longest_gap(started) - recorded) < 1.0, (client.longest_gap(started), recorded)
             answers = artifact(f"answers-{model_slug(repo_id)}").data
-            assert answers.startswith("# Answer check: FAILED") and "accuracy 0% below 80%" in answers, damage
+            assert answers.startswith("# Answer check: FAILED") and problem in answers, damage
             assert f"(last good: {good.record.answers.accuracy:.0%})" in answers  # drift figures beside the new
-            assert "| `42 43 44` | ` 45 46 47` | " in answers and "| ` 45 46 47 48 49 50` | no |" in answers
+            if damage is _template_drops_the_user:  # completions right, chat answers from "20 21 22"
+                assert "| completion | `42 43 44` | ` 45 46 47` | ` 45 46 47" in answers
+                assert "| chat | `42 43 44` | ` 45 46 47` | ` 23 24 25" in answers, answers
             back = read_last_good(config.run_dir)
             assert back.commit == good.commit  # the good deployment serves again, at the same address
             assert _answer(base_url, repo_id, "41 42 43") == " 44 45 46"
             assert "AnswerCheckFailed" in artifact(f"rollback-{model_slug(repo_id)}").data
             summary = artifact(f"deploy-{model_slug(repo_id)}").data.splitlines()[0]
             assert summary.startswith(f"# Rolled back: {repo_id}@") and "failed at the answer check" in summary
-        assert [r.status for r in read_history(repo_id)] == ["passed", "failed", "failed"]
-        # A legitimate re-publish (the same weights under a new commit) passing the drift checks
-        # against the last good deployment: tests/test_fleet.py, its third rollout.
+
+        # A re-publish of the same weights (a new commit: a README added) passes every check.
+        plant(lambda r: (r / "README.md").write_text("Re-published, same weights.\n"))
+        with Client(base_url, repo_id) as client:
+            started = time.time()
+            nightly_refresh(config)
+            time.sleep(0.5)
+        assert read_last_good(config.run_dir).commit != good.commit
+        recorded = read_history(repo_id)[-1].unavailable_s  # in `rollout history` as "down s"
+        assert recorded == pytest.approx(_unavailable_s(artifact(f"deploy-{model_slug(repo_id)}").data), abs=0.1)
+        assert abs(client.longest_gap(started) - recorded) < 1.0, (client.longest_gap(started), recorded)
+        assert "Nothing changed." in artifact(f"files-{model_slug(repo_id)}").data
+        assert [r.status for r in read_history(repo_id)] == ["passed", "failed", "failed", "passed"]
     finally:
         reap_stale(state)
         shutil.rmtree(repo, ignore_errors=True)

@@ -69,6 +69,9 @@ NUMBERS = [str(n) for n in range(100)]  # the counting task's words: one token e
 COUNT_LEN = 12  # numbers per training sequence
 TRAIN_STEPS = 300
 PROBES_FILE = SHIPPED_PROBES  # the probe set ships with the model, in its repo
+# A base model's chat template: the messages' text as it is, so that a chat user's "41 42 43" reaches
+# the model as the same tokens as the completion prompt, and the answer check can ask both ways.
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
 
 def counting(start: int, length: int) -> str:
@@ -99,6 +102,7 @@ def train_tokenizer(out_dir: Path, vocab_size: int, seed: int) -> None:
     )
     tok.train_from_iterator(lines, trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>")
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out_dir)
 
 

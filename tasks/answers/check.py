@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import json
 import math
+import re
 from pathlib import Path
 
 from openai import APIError, OpenAI
@@ -72,6 +73,12 @@ class ProbeResult(BaseModel):
     output: str
     correct: bool
     last_good: str | None = None  # the last good deployment's output for the same prompt
+    chat: bool = False  # asked through /v1/chat/completions as the user's message
+
+    @property
+    def key(self) -> str:
+        """The probe's name in a baseline's outputs: a chat probe is told from its completion twin."""
+        return f"[chat] {self.prompt}" if self.chat else self.prompt
 
 
 class AnswerBaseline(BaseModel):
@@ -80,13 +87,25 @@ class AnswerBaseline(BaseModel):
     accuracy: float
     perplexity: float | None  # of the reference text; None where the server returns no prompt logprobs
     repeated_ngrams: float  # share of the outputs' word 3-grams that repeat an earlier one
-    outputs: dict[str, str]  # prompt -> greedy output
+    outputs: dict[str, str]  # ProbeResult.key -> greedy output
+
+
+class LoadedAnswers(BaseModel):
+    """The probes' answers while the KV cache was full, and what was wrong with them."""
+
+    target: float  # the KV cache usage the probes waited for
+    kv_usage: float | None  # the highest usage seen while the probes were asked
+    fills: int  # long requests streamed to fill the cache
+    results: list[ProbeResult] = []
+    problems: list[str] = []
+    skipped: str = ""  # why the probes were not asked under load
 
 
 class AnswerReport(AnswerBaseline):
     results: list[ProbeResult]
     last_good: AnswerBaseline | None = None
     problems: list[str] = []
+    under_load: LoadedAnswers | None = None  # None: not asked (off, or nothing to fill the cache with)
 
     @property
     def passed(self) -> bool:
@@ -98,8 +117,18 @@ class AnswerReport(AnswerBaseline):
                               repeated_ngrams=self.repeated_ngrams, outputs=self.outputs)
 
 
-def _correct(output: str, expected: str) -> bool:
-    return output.strip().lower().startswith(expected.strip().lower())
+def _correct(output: str | None, expected: str) -> bool:
+    return output is not None and output.strip().lower().startswith(expected.strip().lower())
+
+
+def _scored(output: str | None, expected: str, *, chat: bool) -> bool:
+    """A chat model may answer in a sentence ("The capital of France is Paris."): there the expected
+    answer as a whole word anywhere in the reply's first line counts, as well as at its start."""
+    if output is None or not chat:
+        return _correct(output, expected)
+    first = output.strip().splitlines()[0].lower() if output.strip() else ""
+    return _correct(output, expected) or re.search(rf"(?<!\w){re.escape(expected.strip().lower())}(?!\w)",
+                                                   first) is not None
 
 
 def _repeated_ngrams(outputs: list[str], n: int = 3) -> float:
@@ -126,9 +155,31 @@ def degeneration(outputs: list[str]) -> list[str]:
     return found
 
 
-def judge(results: list[ProbeResult], perplexity: float | None, thresholds: AnswerSpec,
-          last_good: AnswerBaseline | None, same_commit: bool) -> AnswerReport:
-    """The verdict: absolute checks always, drift where a last good deployment of the model exists."""
+def flips(results: list[ProbeResult]) -> tuple[int, int]:
+    """(right for the last good deployment and wrong now, wrong then and right now), over the probes
+    both were asked: the paired outcomes, the strongest signal the check has."""
+    paired = [(_scored(r.last_good, r.expected, chat=r.chat), r.correct) for r in results if r.last_good is not None]
+    return sum(then and not now for then, now in paired), sum(now and not then for then, now in paired)
+
+
+def flip_p_value(worse: int, better: int) -> float:
+    """One-sided exact McNemar test: the chance of `worse` or more right-to-wrong flips among
+    `worse + better` discordant probes if either direction were as likely (binomial, p = 1/2)."""
+    n = worse + better
+    return sum(math.comb(n, k) for k in range(worse, n + 1)) / 2 ** n if n else 1.0
+
+
+def judge(results: list[ProbeResult], *, perplexity: float | None, thresholds: AnswerSpec,
+          last_good: AnswerBaseline | None = None, same_commit: bool = False,
+          same_weights: bool = False) -> AnswerReport:
+    """The verdict: absolute checks always, drift where a last good deployment of the model exists.
+
+    A probe the last good deployment answered right and this one answers wrong fails the check
+    outright under the same weights (same commit, or a re-publish of the same weight files): greedy
+    decoding of the same numbers has no noise to hide in. Under new weights some probes flip either
+    way by chance, so the flips fail only when right-to-wrong outnumber wrong-to-right beyond chance
+    (exact McNemar, one-sided, at `max_flip_p`): a new model as good as the last one fails this at
+    most that often, and one unchanged never does."""
     outputs = [r.output for r in results]
     accuracy = sum(r.correct for r in results) / len(results)
     repeated = _repeated_ngrams(outputs)
@@ -136,9 +187,17 @@ def judge(results: list[ProbeResult], perplexity: float | None, thresholds: Answ
     if accuracy < thresholds.min_accuracy:
         problems.append(f"accuracy {accuracy:.0%} below {thresholds.min_accuracy:.0%}")
     if last_good is not None:
-        results = [r.model_copy(update={"last_good": last_good.outputs.get(r.prompt)}) for r in results]
+        results = [r.model_copy(update={"last_good": last_good.outputs.get(r.key)}) for r in results]
         if accuracy < last_good.accuracy - thresholds.max_accuracy_drop:
             problems.append(f"accuracy {accuracy:.0%} against {last_good.accuracy:.0%} for the last good deployment")
+        worse, better = flips(results)
+        p_value = flip_p_value(worse, better)
+        if worse and (same_commit or same_weights):
+            problems.append(f"{worse} probes right for the last good deployment are wrong now, under the same weights")
+        elif worse > better and p_value < thresholds.max_flip_p:
+            problems.append(f"{worse} probes flipped from right to wrong and {better} from wrong to right against "
+                            f"the last good deployment (exact McNemar p={p_value:.3f}, "
+                            f"below {thresholds.max_flip_p:g})")
         if perplexity and last_good.perplexity and perplexity > last_good.perplexity * thresholds.max_perplexity_ratio:
             problems.append(f"perplexity {perplexity:.3g} against {last_good.perplexity:.3g} "
                             f"(x{perplexity / last_good.perplexity:.1f}, limit x{thresholds.max_perplexity_ratio:g})")
@@ -149,16 +208,36 @@ def judge(results: list[ProbeResult], perplexity: float | None, thresholds: Answ
         if same_commit and compared and changed / len(compared) > thresholds.max_changed_outputs:
             problems.append(f"same commit, {changed} of {len(compared)} greedy outputs changed")
     return AnswerReport(results=results, accuracy=accuracy, perplexity=perplexity, repeated_ngrams=repeated,
-                        outputs={r.prompt: r.output for r in results}, last_good=last_good, problems=problems)
+                        outputs={r.key: r.output for r in results}, last_good=last_good, problems=problems)
 
 
-def check_answers(base_url: str, model: str, spec: AnswerSpec, last_good: AnswerBaseline | None = None,
-                  same_commit: bool = False, api_key: str | None = None) -> AnswerReport:
-    """The whole check against a running server; the caller raises on `not report.passed`."""
+def check_answers(base_url: str, model: str, spec: AnswerSpec, *, last_good: AnswerBaseline | None = None,
+                  same_commit: bool = False, same_weights: bool = False, api_key: str | None = None,
+                  max_model_len: int | None = None, vocab_size: int | None = None, tools: bool = False,
+                  reasoning: bool = False) -> AnswerReport:
+    """The whole check against a running server; the caller raises on `not report.passed`. With
+    `spec.chat` the probes are asked a second time through /v1/chat/completions, in the model's
+    served chat template: the path its users take, where a template that loses their message
+    changes every answer while completions stay right. With `tools` or `reasoning` (the server's
+    tool-call or reasoning parser), one probe through each parser."""
     probes = load_probes(spec.probes) if spec.probes else BUILTIN_PROBES
     results = ask(base_url, model, probes, api_key, spec.max_tokens)
-    return judge(results, perplexity(base_url, model, spec.reference_text or BUILTIN_REFERENCE, api_key), spec,
-                 last_good, same_commit)
+    if spec.chat:
+        results += ask_chat(base_url, model, probes, api_key, spec.max_tokens)
+    report = judge(results, perplexity=perplexity(base_url, model, spec.reference_text or BUILTIN_REFERENCE, api_key),
+                   thresholds=spec, last_good=last_good, same_commit=same_commit, same_weights=same_weights)
+    if tools or reasoning:  # judged on their own: a parser is right or wrong, not a share of the probes
+        parsed, problems = ask_parsers(base_url, model, tools=tools, reasoning=reasoning, api_key=api_key)
+        report = report.model_copy(update={"results": report.results + parsed,
+                                           "problems": report.problems + problems})
+    if spec.under_load and max_model_len and vocab_size:
+        from tasks.answers.load import check_under_load  # it builds on this module's probes and verdicts
+
+        loaded = check_under_load(base_url, model, probes, idle=results, max_model_len=max_model_len,
+                                  vocab_size=vocab_size, max_tokens=spec.max_tokens, target=spec.load_target,
+                                  api_key=api_key)
+        report = report.model_copy(update={"under_load": loaded, "problems": report.problems + loaded.problems})
+    return report
 
 
 def _client(base_url: str, api_key: str | None, timeout_s: float) -> OpenAI:
@@ -180,6 +259,76 @@ def ask(base_url: str, model: str, probes: list[Probe], api_key: str | None = No
         results.append(ProbeResult(prompt=probe.prompt, expected=probe.expected, output=output,
                                    correct=_correct(output, probe.expected)))
     return results
+
+
+def ask_chat(base_url: str, model: str, probes: list[Probe], api_key: str | None = None, max_tokens: int = 16,
+             timeout_s: float = 120.0) -> list[ProbeResult]:
+    """Each probe as a user's chat message, greedy, through the chat template vLLM serves."""
+    client = _client(base_url, api_key, timeout_s)
+    results = []
+    for probe in probes:
+        try:
+            done = client.chat.completions.create(model=model, messages=[{"role": "user", "content": probe.prompt}],
+                                                  max_tokens=max_tokens, temperature=0.0)
+        except APIError as exc:
+            raise AnswerCheckFailed(f"{base_url} refused the chat probe {probe.prompt[:40]!r}: "
+                                    f"{str(exc).splitlines()[0]}") from exc
+        output = (done.choices[0].message.content or "") if done.choices else ""
+        results.append(ProbeResult(prompt=probe.prompt, expected=probe.expected, output=output, chat=True,
+                                   correct=_scored(output, probe.expected, chat=True)))
+    return results
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TOOL_PROMPT = "What is the weather in Paris right now? Use the get_weather tool."
+REASONING_PROBE = Probe(prompt="What is 17 + 25? Think it through, then give the number.", expected="42")
+
+
+def ask_parsers(base_url: str, model: str, *, tools: bool, reasoning: bool, api_key: str | None = None,
+                max_tokens: int = 1024, timeout_s: float = 300.0) -> tuple[list[ProbeResult], list[str]]:
+    """One probe through each parser the server was started with: a tool call that must come back
+    parsed (`tool_calls`, a get_weather call with a city), and a question whose reasoning must come
+    back apart from its answer. A wrong parser leaves the model's raw markup in the content: the
+    answers look fine to a completion probe and every client's tool call fails."""
+    client = _client(base_url, api_key, timeout_s)
+    results, problems = [], []
+    try:
+        if tools:
+            done = client.chat.completions.create(model=model, messages=[{"role": "user", "content": TOOL_PROMPT}],
+                                                  tools=[WEATHER_TOOL], tool_choice="auto", temperature=0.0,
+                                                  max_tokens=max_tokens)
+            message = done.choices[0].message
+            call = (message.tool_calls or [None])[0]
+            try:
+                city = str(json.loads(call.function.arguments).get("city", "")) if call else ""
+            except (ValueError, AttributeError):
+                city = ""
+            parsed = call is not None and call.function.name == "get_weather" and city.lower().startswith("paris")
+            output = f"{call.function.name}({call.function.arguments})" if call else (message.content or "")
+            results.append(ProbeResult(prompt=f"[tools] {TOOL_PROMPT}", expected='get_weather({"city": "Paris"})',
+                                       output=output, correct=parsed, chat=True))
+            if not parsed:
+                problems.append(f"the tool-call parser gave back no get_weather call with a city: {output[:60]!r}")
+        if reasoning:
+            done = client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": REASONING_PROBE.prompt}], temperature=0.0,
+                max_tokens=max_tokens)
+            message = done.choices[0].message
+            extra = message.model_extra or {}
+            thought = extra.get("reasoning") or extra.get("reasoning_content") or ""
+            answer = message.content or ""
+            right = bool(thought.strip()) and _scored(answer, REASONING_PROBE.expected, chat=True)
+            results.append(ProbeResult(prompt=f"[reasoning] {REASONING_PROBE.prompt}",
+                                       expected=REASONING_PROBE.expected, output=answer, correct=right, chat=True))
+            if not thought.strip():
+                problems.append(f"the reasoning parser gave back no reasoning apart from the answer: {answer[:60]!r}")
+            elif not right:
+                problems.append(f"the answer after the reasoning is wrong: {answer[:60]!r}")
+    except APIError as exc:
+        problems.append(f"{base_url} refused a parser probe: {str(exc).splitlines()[0]}")
+    return results, problems
 
 
 def perplexity(base_url: str, model: str, text: str, api_key: str | None = None,

@@ -54,7 +54,8 @@ def server_config(config: DeployConfig, prepared: PreparedModel, platform: str) 
     """One launch of the prepared model with the form's engine settings."""
     env = {"VLLM_ENGINE_READY_TIMEOUT_S": str(int(config.startup_timeout_s))}
     if platform == "cpu":
-        env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB; the default would take a large share of RAM
+        if config.vllm.kv_cache_memory_bytes is None:  # this legacy variable would override the flag
+            env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB; the default would take a large share of RAM
         if config.vllm.cpus:  # vLLM's CPU backend binds its compute threads itself: to the same CPUs
             env["VLLM_CPU_OMP_THREADS_BIND"] = config.vllm.cpus
     return ServerConfig(**config.vllm.model_dump(exclude={"env"}), env={**env, **config.vllm.env},
@@ -70,6 +71,15 @@ def as_served(handle: ServerHandle, config: ServerConfig) -> ServerConfig:
 def vocab_size(model_dir: Path) -> int:
     config = json.loads((model_dir / "config.json").read_text())
     return int(config.get("vocab_size") or config.get("text_config", {})["vocab_size"])
+
+
+def context_length(model_dir: Path, settings: VllmSettings) -> int | None:
+    """The longest request the server takes: --max-model-len where set, else the model's own limit."""
+    if settings.max_model_len:
+        return settings.max_model_len
+    config = json.loads((model_dir / "config.json").read_text())
+    limit = config.get("max_position_embeddings") or config.get("text_config", {}).get("max_position_embeddings")
+    return int(limit) if limit else None
 
 
 def platform_label(gpu: GpuProbe) -> str:

@@ -91,6 +91,7 @@ def fleet_rows(outcomes: list[HostOutcome], hosts: list[FleetHost], slowdown: fl
             "status": o.status if o else "untouched",
             "single stream tok/s": _tok_s(r.single_stream_tok_s) if r else None,
             "peak tok/s": _tok_s(r.peak_tok_s) if r else None,
+            "down s": f"{r.unavailable_s:.1f}" if r and r.unavailable_s is not None else None,  # the swap's gap
             "vs its last good": (r.compared.split("): ", 1)[-1] if r.compared else "first deployment") if r else "",
             "fetched from": ", ".join(f"{s} {n}" for s, n in o.fetched.items() if n) if o else "",
             "mirror failures": len(o.mirror_failures) if o else 0,

@@ -21,12 +21,12 @@ from tasks.host import host_name
 # Columns of the comparison table, in print order.
 COLUMNS = ["time", "model", "revision", "single_stream_tok_s", "peak_tok_s", "knee_concurrency", "p99_ttft_ms",
            "accuracy", "perplexity", "vllm_version", "gpu", "status", "peak_change", "regression", "flow_run_id",
-           "host", "load"]
+           "host", "load", "unavailable_s"]
 # The same columns as a person reads them: units in the headers, values rounded to what they resolve.
 READABLE = {"time": "time (UTC)", "model": "model", "revision": "revision",
             "single_stream_tok_s": "single stream tok/s",
             "peak_tok_s": "peak tok/s", "knee_concurrency": "knee", "p99_ttft_ms": "p99 TTFT ms",
-            "accuracy": "accuracy", "perplexity": "perplexity", "status": "status",
+            "accuracy": "accuracy", "perplexity": "perplexity", "status": "status", "unavailable_s": "down s",
             "peak_change": "peak tok/s vs last good", "vllm_version": "vLLM", "gpu": "GPUs", "host": "host",
             "load": "load"}
 
@@ -52,6 +52,7 @@ class RunRecord(BaseModel):
     p99_ttft_ci: tuple[float, float] | None = None
     answers: AnswerBaseline | None = None  # the answer check's figures and outputs: the next check's baseline
     load: str | None = None  # the benchmark's load in words (BenchSpec.load); None in records from before it was kept
+    unavailable_s: float | None = None  # the swap's gap as a client saw it (tasks/vllm/gap.py); None: nothing served
     status: str = "passed"
     note: str = ""
     compared: str = ""  # the change against the previous good run of the same model on the same GPUs
@@ -60,7 +61,7 @@ class RunRecord(BaseModel):
 
 def run_record(results: list[LevelResult], model: str, revision: str, commit: str, gpu: str, vllm_version: str,
                parallelism: str, flow_run_id: str | None = None, answers: AnswerBaseline | None = None,
-               load: str | None = None) -> RunRecord:
+               load: str | None = None, unavailable_s: float | None = None) -> RunRecord:
     """Single stream, the knee's throughput and its p99 TTFT, from one sweep's rows."""
     best = knee(results)
     single = next((r for r in results if r.concurrency == 1), None)
@@ -77,6 +78,7 @@ def run_record(results: list[LevelResult], model: str, revision: str, commit: st
         flow_run_id=flow_run_id,
         answers=answers,
         load=load,
+        unavailable_s=unavailable_s,
     )
 
 
@@ -174,7 +176,7 @@ def readable(table: pd.DataFrame, wide: bool = False) -> pd.DataFrame:
         single_stream_tok_s=number("single_stream_tok_s").round(1), peak_tok_s=number("peak_tok_s").round(1),
         p99_ttft_ms=number("p99_ttft_ms").round(1), perplexity=number("perplexity").map(_sig3),
         accuracy=number("accuracy").map(lambda a: f"{a:.0%}" if pd.notna(a) else None),
-        knee_concurrency=number("knee_concurrency").astype("Int64"))
+        knee_concurrency=number("knee_concurrency").astype("Int64"), unavailable_s=number("unavailable_s").round(1))
     columns = [c for c in READABLE if wide or c not in ("vllm_version", "gpu", "host", "load")]
     return shown[columns].rename(columns=READABLE).dropna(axis="columns", how="all")
 

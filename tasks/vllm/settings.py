@@ -35,10 +35,17 @@ class VllmSettings(BaseModel):
     max_num_batched_tokens: int | None = Field(None, ge=1, description="--max-num-batched-tokens")
     kv_cache_dtype: str = Field("auto", description="--kv-cache-dtype; fp8 on SM120 (RTX PRO 6000) needs a "
                                                   "vLLM with FP8 in Triton MLA (PR #34597)")
+    kv_cache_memory_bytes: int | None = Field(None, ge=1, description="--kv-cache-memory-bytes: the KV cache's "
+                                              "size, instead of what gpu_memory_utilization leaves")
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="--gpu-memory-utilization (0.9)")
     enforce_eager: bool = Field(False, description="--enforce-eager: no torch.compile nor CUDA graphs; starts "
                                 "in seconds instead of a minute's compile, decodes slower")
     trust_remote_code: bool = Field(False, description="--trust-remote-code")
+    # Chat as the model's users use it; the answer check then asks a probe through each parser.
+    enable_auto_tool_choice: bool = Field(False, description="--enable-auto-tool-choice: the model may call tools "
+                                          "(with tool_call_parser)")
+    tool_call_parser: str | None = Field(None, description="--tool-call-parser (kimi_k2 for Kimi-K2.5)")
+    reasoning_parser: str | None = Field(None, description="--reasoning-parser (kimi_k2 for Kimi-K2.5)")
     extra_args: list[str] = Field(default_factory=list, description="Further vLLM flags, passed verbatim")
     env: dict[str, str] = Field(default_factory=dict, description="Environment for the vLLM process")
     cpus: CpuList | None = Field(None, description="CPUs the vLLM processes may use, as taskset lists them ('0', "

@@ -38,10 +38,17 @@ def _event(payload: dict) -> bytes:
 class StreamingServer:
     def __init__(self, ttft_s: float = 0.0, itl_s: float = 0.0, tokens_per_chunk: int = 1,
                  slots: int | None = None, events_per_write: int = 1, port: int = 0, rejects: str | None = None,
-                 resets: bool = True, cpus: str | None = None):
+                 resets: bool = True, cpus: str | None = None, counting: bool = False,
+                 degenerate_above: float | None = None, parsers: str | None = None):
         self.ttft_s, self.itl_s, self.tokens_per_chunk = ttft_s, itl_s, tokens_per_chunk
         self.cpus = cpus  # the server's cores, apart from the client's as the demo keeps vLLM's
         self.rejects, self.resets = rejects, resets
+        # Whole (non-streamed) answers count on from the prompt's last number, as the demo model does,
+        # and turn to "!!!!" while the KV cache (running / slots) is at least `degenerate_above` full.
+        self.counting, self.degenerate_above = counting, degenerate_above
+        # Chat with tools, or a question to reason about: "parsed" answers as vLLM does with the right
+        # tool-call and reasoning parsers, "raw" leaves the model's markup in the content (a wrong one).
+        self.parsers = parsers
         self.cached: set[str] = set()
         self.prefix_queries = self.prefix_hits = 0
         self.events_per_write = events_per_write
@@ -95,7 +102,10 @@ class StreamingServer:
 
     def _metrics(self) -> str:
         labels = '{engine="0",model_name="fake"}'
-        return "".join([
+        # A slot holds one request of up to 1024 tokens: the cache's size in vLLM's info gauge.
+        info = (f'vllm:cache_config_info{{block_size="16",engine="0",num_gpu_blocks="{self.slots * 64}"}} 1.0\n'
+                if self.slots else "")
+        return info + "".join([
             "# TYPE vllm:num_requests_running gauge\n", f"vllm:num_requests_running{labels} {self.running}\n",
             "# TYPE vllm:num_requests_waiting gauge\n", f"vllm:num_requests_waiting{labels} {self.waiting}\n",
             "# TYPE vllm:kv_cache_usage_perc gauge\n",
@@ -110,13 +120,39 @@ class StreamingServer:
         n = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
         await asyncio.sleep(self.ttft_s + n * self.itl_s)
         text = " t" * n
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"} if chat
+        numbers = [int(w) for w in str(body.get("prompt") or body.get("messages", [{}])[-1].get("content", "")).split()
+                   if w.isdigit()]
+        if self.counting and numbers:
+            text = "".join(f" {numbers[-1] + k}" for k in range(1, n + 1))
+        if self.degenerate_above is not None and self.slots and self.running / self.slots >= self.degenerate_above:
+            text = "!" * n
+        message = {"role": "assistant", "content": text}
+        if chat and self.parsers:
+            message = self._parsed(body) if self.parsers == "parsed" else {"role": "assistant",
+                                                                            "content": self._raw(body)}
+        choice = ({"index": 0, "message": message, "finish_reason": "length"} if chat
                   else {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"})
         reply = {"id": "x", "object": "chat.completion" if chat else "text_completion", "created": 0,
                  "model": body["model"], "choices": [choice],
                  "usage": {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}}
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": json.dumps(reply).encode()})
+
+    @staticmethod
+    def _parsed(body: dict) -> dict:
+        if body.get("tools"):
+            return {"role": "assistant", "content": None, "tool_calls": [{
+                "id": "call_0", "type": "function",
+                "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}]}
+        return {"role": "assistant", "content": "42", "reasoning": "17 + 25: 17 + 20 is 37, and 5 more is 42."}
+
+    @staticmethod
+    def _raw(body: dict) -> str:
+        """Kimi-K2's own markup, as a server without (or with the wrong) parser passes it through."""
+        if body.get("tools"):
+            return ('<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
+                    '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>')
+        return "<think>17 + 25: 17 + 20 is 37, and 5 more is 42.</think>42"
 
     async def _stream(self, send, body: dict, chat: bool) -> None:
         self.waiting += 1
@@ -194,6 +230,12 @@ class StreamingServer:
             args += ["--rejects", self.rejects]
         if not self.resets:
             args += ["--no-resets"]
+        if self.counting:
+            args += ["--counting"]
+        if self.degenerate_above is not None:
+            args += ["--degenerate-above", str(self.degenerate_above)]
+        if self.parsers:
+            args += ["--parsers", self.parsers]
         self._child = subprocess.Popen(args, stdout=subprocess.DEVNULL)
         if self.cpus:
             os.sched_setaffinity(self._child.pid, parse_cpus(self.cpus))
@@ -229,9 +271,13 @@ def main() -> None:
     parser.add_argument("--events-per-write", type=int, default=1)
     parser.add_argument("--rejects", choices=["token-ids", "all"])
     parser.add_argument("--no-resets", dest="resets", action="store_false")
+    parser.add_argument("--counting", action="store_true")
+    parser.add_argument("--degenerate-above", type=float)
+    parser.add_argument("--parsers", choices=["parsed", "raw"])
     args = parser.parse_args()
     StreamingServer(args.ttft_s, args.itl_s, args.tokens_per_chunk, args.slots, args.events_per_write,
-                    args.port, args.rejects, args.resets).serve()
+                    args.port, args.rejects, args.resets, counting=args.counting,
+                    degenerate_above=args.degenerate_above, parsers=args.parsers).serve()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,124 @@
+"""How long a swap leaves the host answering nothing, measured as a client would see it.
+
+From the last completion the old server answered to the first completion the server that ends up
+serving answered (the new one, or the last good one restored): a probe thread sends a one-token
+completion every `interval_s` to whatever server the host's state file names at that moment, and
+notes which process group answered. Its answers are the measurement, not the timestamps of the
+flow's own steps: a server that is "ready" by our readiness check but does not answer a client
+yet still counts as down, and a restart of the old one counts from its first real answer.
+Answers from a server that does not end up serving (a new one whose check failed) do not end the
+gap: a client that reached it was answered by a model that was then rolled back.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+from pydantic import BaseModel
+
+
+@dataclass(frozen=True)
+class ProbeAnswer:
+    at: float  # epoch seconds when the answer (or the failure) came back
+    pgid: int | None  # the process group the state file named when the probe was sent
+    ok: bool
+
+
+class Unavailability(BaseModel):
+    """One swap's gap as the probe saw it."""
+
+    seconds: float | None  # None: nothing answered before, or nothing answers after
+    last_old_answer: datetime | None
+    first_new_answer: datetime | None
+    probes: int
+    failed: int
+    interval_s: float
+
+    def text(self) -> str:
+        if self.seconds is not None:
+            return (f"{self.seconds:.1f} s without an answer ({self.failed} of {self.probes} probes every "
+                    f"{self.interval_s:g} s failed)")
+        if self.last_old_answer is None:
+            return "nothing answered before the swap"
+        return f"nothing has answered since {self.last_old_answer:%H:%M:%S} UTC"
+
+
+def _target(state_file: Path) -> tuple[str, str, int] | None:
+    """(base URL, served model name, process group) of the server the host records now."""
+    try:
+        state = json.loads(state_file.read_text())
+        command = state.get("command", [])
+        name = command[command.index("--served-model-name") + 1] if "--served-model-name" in command else ""
+        return (state["base_url"], name, int(state["pgid"])) if state.get("base_url") else None
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return None
+
+
+@dataclass
+class GapProbe:
+    """A one-token completion every `interval_s` through a swap; a context manager around it."""
+
+    state_file: Path
+    interval_s: float = 0.5
+    api_key: str | None = None
+    answers: list[ProbeAnswer] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def __enter__(self) -> GapProbe:
+        self._thread = threading.Thread(target=self._run, name="gap-probe", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        with httpx.Client(timeout=max(1.0, 2 * self.interval_s), headers=headers) as http:
+            while not self._stop.is_set():
+                sent = time.monotonic()
+                target = _target(self.state_file)
+                ok = False
+                if target is not None:
+                    url, name, _ = target
+                    try:
+                        reply = http.post(f"{url}/v1/completions",
+                                          json={"model": name, "prompt": "1", "max_tokens": 1, "temperature": 0})
+                        ok = reply.status_code == 200 and bool(reply.json().get("choices"))
+                    except (httpx.HTTPError, ValueError):
+                        ok = False
+                self.answers.append(ProbeAnswer(at=time.time(), pgid=target[2] if target else None, ok=ok))
+                self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - sent)))
+
+    def wait_for_answer(self, pgid: int, timeout_s: float = 5.0) -> None:
+        """Until the probe has an answer from `pgid` (the server now serving), at most timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not any(a.ok and a.pgid == pgid for a in list(self.answers)):
+            time.sleep(0.05)
+
+    def gap(self, *, old_pgid: int | None, new_pgid: int | None) -> Unavailability:
+        """From the old group's last answer to the first answer after it by the group now serving."""
+        answers = list(self.answers)
+        old = [a.at for a in answers if a.ok and a.pgid == old_pgid]
+        last_old = max(old) if old else None
+        new = [a.at for a in answers if a.ok and a.pgid == new_pgid and (last_old is None or a.at > last_old)]
+        first_new = min(new) if new else None
+        between = [a for a in answers
+                   if (last_old is None or a.at > last_old) and (first_new is None or a.at < first_new)]
+
+        def stamp(t: float | None) -> datetime | None:
+            return datetime.fromtimestamp(t, timezone.utc) if t is not None else None
+
+        return Unavailability(seconds=first_new - last_old if last_old is not None and first_new is not None else None,
+                              last_old_answer=stamp(last_old), first_new_answer=stamp(first_new),
+                              probes=len(between), failed=sum(not a.ok or a.pgid != new_pgid for a in between),
+                              interval_s=self.interval_s)
