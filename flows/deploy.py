@@ -83,6 +83,7 @@ from tasks.steps import (
 )
 from tasks.vllm.command import warming_option_table
 from tasks.vllm.gap import GapProbe, Unavailability
+from tasks.vllm.readiness import slow_start
 from tasks.vllm.process import ServerHandle, reap_stale, served_model, serving_headless, stop_server
 from tasks.vllm.settings import ServerConfig
 
@@ -291,15 +292,19 @@ def _serve_and_bench(config: DeployConfig, prepared: PreparedModel, gpu: GpuProb
     logger = get_run_logger()
     last_run = summary.last_good
     handle, facts = start_vllm(server, config.run_dir, config.startup_timeout_s, config.api_key_secret,
-                               config.repo_id)
+                               config.repo_id, last_good_startup=last_run.startup if last_run else None)
+    if slow := slow_start(facts.phases, last_run.startup if last_run else None):
+        logger.warning("slow start: %s", slow)
+        summary.slow_start = slow
     gap = swap_gap(handle.pgid)  # ends at the new server's first answer to a client, if it is promoted
 
     def record_of(rows: list[LevelResult], answers: AnswerBaseline | None, *, promoted: bool = True) -> RunRecord:
         """The run's history record; the swap's gap only where this server goes on serving (a failed
         one's gap ends at the restored server's answer: the summary has it)."""
         return run_record(rows, config.repo_id, config.revision, prepared.commit, platform_label(gpu),
-                          facts["vllm_version"], parallelism(config.vllm), str(flow_run.get_id() or "") or None,
-                          answers, config.bench.load, gap.seconds if gap and promoted else None)
+                          facts.vllm_version, parallelism(config.vllm), str(flow_run.get_id() or "") or None,
+                          answers, config.bench.load, gap.seconds if gap and promoted else None,
+                          startup=facts.phases)
 
     try:
         logger.info("vLLM ready at %s after %.0f s", handle.base_url, handle.startup_s)

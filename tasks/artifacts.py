@@ -40,6 +40,7 @@ from tasks.host import host_name
 from tasks.hub import FetchResult
 from tasks.tuning.measure import CandidateResult
 from tasks.vllm.gap import Unavailability
+from tasks.vllm.readiness import PHASES, ServerFacts, slow_start
 
 HISTORY = "history-"
 PAGE = 200  # the API's default page limit
@@ -207,15 +208,6 @@ def publish_server_failure(err: ServerStartError, repo_id: str, suffix: str = ""
     )
 
 
-# How the server artifact names vLLM's start-up facts; vLLM's "maximum concurrency" is its KV cache's
-# capacity in full-length requests, not the benchmark's concurrency.
-SERVER_FACTS = {"vllm_version": "vLLM version", "startup_s": "ready after (s)", "kv_cache_tokens": "KV cache (tokens)",
-                "kv_cache_requests": "KV cache capacity (requests of max_model_len tokens, vLLM's \"maximum "
-                                     "concurrency\")",
-                "weights_load_s": "weights loaded in (s)", "model_load_s": "model loaded in (s)",
-                "engine_init_s": "engine initialised in (s)", "graph_capture_s": "CUDA graphs captured in (s)"}
-
-
 def command_block(command: list[str]) -> str:
     """The command as a shell would take it, one option per line, so the UI shows it unclipped."""
     lines, current = [], []
@@ -228,12 +220,24 @@ def command_block(command: list[str]) -> str:
     return "```bash\n" + " \\\n  ".join(lines) + "\n```"
 
 
-def publish_server(facts: dict[str, str], command: list[str], repo_id: str) -> None:
-    """The serving facts a run is compared by later: version, command, KV cache, start-up phases."""
-    lines = ["# vLLM server", ""] + [f"- **{SERVER_FACTS.get(k, k)}:** {v}" for k, v in facts.items()]
-    lines += ["", command_block(command)]
+def publish_server(facts: ServerFacts, command: list[str], repo_id: str, *,
+                   last_good: dict[str, float] | None = None) -> None:
+    """The serving facts a run is compared by later: version, KV cache, the start's phases beside the
+    last good start's, and the command."""
+    kv = [f"- **KV cache:** {facts.kv_cache_tokens:,} tokens" if facts.kv_cache_tokens is not None else "",
+          f"- **KV cache capacity:** {facts.kv_cache_requests:g} requests of max_model_len tokens (vLLM's "
+          "\"maximum concurrency\")" if facts.kv_cache_requests is not None else "",
+          f"- **Memory left for the KV cache:** {facts.kv_cache_memory_gib:g} GiB"
+          if facts.kv_cache_memory_gib is not None else ""]
+    rows = ["| phase | this start, s | last good start, s |", "|---|---|---|"]
+    rows += [f"| {PHASES[k]} | {v:.1f} | {last_good[k]:.1f} |" if last_good and k in last_good else
+             f"| {PHASES[k]} | {v:.1f} | - |" for k, v in facts.phases.items()]
+    slow = slow_start(facts.phases, last_good)
+    lines = ["# vLLM server", "", f"- **vLLM version:** {facts.vllm_version}",
+             f"- **ready after (s):** {facts.startup_s:.1f}", *[line for line in kv if line],
+             *([f"- **Slow start:** {slow}"] if slow else []), "", *rows, "", command_block(command)]
     create_markdown_artifact(key=f"server-{model_slug(repo_id)}", markdown="\n".join(lines),
-                             description=f"vLLM {facts['vllm_version']} ready in {float(facts['startup_s']):.0f} s")
+                             description=f"vLLM {facts.vllm_version} ready in {facts.startup_s:.0f} s")
 
 
 def publish_rollback(repo_id: str, restored: str, why: str, outcome: str) -> None:
@@ -441,6 +445,7 @@ class DeploySummary:
     rollback: str | None = None  # what the rollback brought back, or why it could not
     rollback_failed: bool = False
     unavailable: Unavailability | None = None  # the swap's gap as the probe saw it; None: nothing served before
+    slow_start: str | None = None  # a start much slower than the last good one's, in words
 
     @property
     def what(self) -> str:
@@ -466,6 +471,8 @@ class DeploySummary:
         verdict = self.verdict(err).replace("\n", " ")
         lines = [f"# {verdict}", "", f"- **Host:** {host_name()}"]
         lines += [f"- **{k}:** {v}" for k, v in self.facts.items()]
+        if self.slow_start:
+            lines.append(f"- **Slow start:** {self.slow_start}")
         if self.unavailable is not None:
             was = self.last_good.unavailable_s if self.last_good else None
             lines.append(f"- **Unavailable during the swap:** {self.unavailable.text()}"

@@ -51,7 +51,7 @@ from tasks.hub import (
 from tasks.tuning.measure import CandidateResult, measure, refusal
 from tasks.tuning.space import Candidate
 from tasks.vllm.process import ServerHandle, reap_stale, stop_server
-from tasks.vllm.readiness import running_facts, start_and_wait
+from tasks.vllm.readiness import ServerFacts, running_facts, start_and_wait
 from tasks.vllm.settings import ServerConfig, VllmSettings
 
 
@@ -166,16 +166,18 @@ def check_gpus(gpu: GpuProbe, plan: HardwarePlan, repo_id: str) -> list[Violatio
 
 @task(name="start-vllm", tags=["vllm"], cache_policy=NO_CACHE)
 def start_vllm(cfg: ServerConfig, run_dir: Path, timeout_s: float, api_key_secret: str | None,
-               repo_id: str, failure_suffix: str = "") -> tuple[ServerHandle, dict[str, str]]:
+               repo_id: str, failure_suffix: str = "", *,
+               last_good_startup: dict[str, float] | None = None) -> tuple[ServerHandle, ServerFacts]:
     """Launch and wait until vLLM serves a real token (5-15 minutes for a 1T model); the task's
-    duration is the load. Its start-up log goes to the Prefect log as it comes."""
+    duration is the load. Its start-up log goes to the Prefect log as it comes; its phases are
+    published beside the last good start's."""
     try:
         handle = start_and_wait(cfg, run_dir, timeout_s, secret(api_key_secret), report=get_run_logger().info)
     except ServerStartError as err:
         artifacts.publish_server_failure(err, repo_id, failure_suffix)
         raise
     facts = running_facts(handle)
-    artifacts.publish_server(facts, handle.command, repo_id)
+    artifacts.publish_server(facts, handle.command, repo_id, last_good=last_good_startup)
     return handle, facts
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tasks.vllm.log import classify_failure, failure_cause, next_step, server_facts
+from tasks.vllm.readiness import ServerFacts, slow_start
 
 CORPUS = Path(__file__).parent / "fixtures" / "vllm_logs"
 FAILURES = sorted((CORPUS / "failures").glob("*.log"))
@@ -179,3 +180,36 @@ def test_a_failed_start_carries_its_next_step_into_the_error_and_the_artifact(tm
     artifacts.publish_server_failure(err, "org/model")
     assert shown["key"] == "server-failure-" + artifacts.model_slug("org/model")
     assert f"**Next step:** {err.next_step}" in shown["markdown"]
+
+
+# The start in phases, typed, as the server artifact and the next start's comparison take them.
+def test_phases_of_real_gpu_starts_in_start_order():
+    facts = ServerFacts.from_log(fixture("healthy-19794.log"), vllm_version="0.10.1", startup_s=95.0)
+    assert facts.phases == {"torch_compile_s": 18.4, "engine_init_s": 44.51, "graph_capture_s": 14.0,
+                            "startup_s": 95.0}
+    assert facts.kv_cache_tokens == 251_920 and facts.kv_cache_requests == 6.15
+    loading = ServerFacts.from_log(fixture("healthy-38820.log"), vllm_version="x", startup_s=60.0)
+    assert list(loading.phases) == ["weights_load_s", "model_load_s", "startup_s"]
+    assert ServerFacts.from_log(fixture("kv-cache-too-small-23278.log"), vllm_version="x",
+                                startup_s=1.0).kv_cache_memory_gib == -2.14
+
+
+def test_phases_of_a_cpu_start():
+    # vLLM 0.32.0 on this machine (the demo model): weights, then the engine; no compile, no graphs.
+    log = ("(Worker_EP0 pid=7546) INFO 12-05 09:02:20 [default_loader.py:501] Loading weights took 0.02 seconds\n"
+           "(EngineCore pid=7537) INFO 12-05 09:02:20 [kv_cache_utils.py:2327] CPU KV cache size: 466,032 tokens, "
+           "Maximum concurrency for 1,024 tokens per request: 455.11x\n"
+           "(EngineCore pid=7537) INFO 12-05 09:02:23 [core.py:402] init engine (profile, create kv cache, warmup "
+           "model) took 3.02 s\n")
+    facts = ServerFacts.from_log(log, vllm_version="0.32.0", startup_s=22.0)
+    assert facts.phases == {"weights_load_s": 0.02, "engine_init_s": 3.02, "startup_s": 22.0}
+    assert facts.kv_cache_tokens == 466_032
+
+
+def test_a_start_much_slower_than_the_last_good_one_is_named_with_the_phase_that_grew():
+    before = {"weights_load_s": 24.8, "torch_compile_s": 18.4, "startup_s": 95.0}
+    assert slow_start({**before, "startup_s": 110.0}, before) is None  # x1.2: within the rule
+    assert slow_start({"startup_s": 14.0}, {"startup_s": 6.0}) is None  # x2.3 but 8 s: a busy machine's jitter
+    assert slow_start({**before, "torch_compile_s": 80.0, "startup_s": 160.0}, before) == (
+        "ready after 160 s against 95 s for the last good start (x1.7); torch.compile took 80.0 s against 18.4 s")
+    assert slow_start({"startup_s": 160.0}, None) is None  # a first start has nothing to be slower than

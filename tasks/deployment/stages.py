@@ -16,6 +16,7 @@ from tasks.history.last_good import LastGood
 from tasks.history.runs import RunRecord
 from tasks.vllm.options import mla_takes_fp8_kv
 from tasks.vllm.process import ServerHandle
+from tasks.vllm.readiness import ServerFacts
 from tasks.vllm.settings import ServerConfig, VllmSettings
 
 
@@ -99,7 +100,7 @@ def parallelism(settings: VllmSettings) -> str:
     return f"TP={settings.tensor_parallel_size}, EP={'on' if settings.enable_expert_parallel else 'off'}"
 
 
-def bench_facts(config: DeployConfig, prepared: PreparedModel, gpu: GpuProbe, server: dict[str, str]
+def bench_facts(config: DeployConfig, prepared: PreparedModel, gpu: GpuProbe, server: ServerFacts
                 ) -> dict[str, str]:
     """The lines above the sweep table: what was measured, on what, under which load."""
     spec = config.bench
@@ -107,8 +108,8 @@ def bench_facts(config: DeployConfig, prepared: PreparedModel, gpu: GpuProbe, se
            + f" for {spec.slo_attainment:.0%} of requests"} if spec.slos_ms else {}
     return {"Revision": f"{config.revision} ({prepared.commit[:12]})", "Platform": platform_label(gpu),
             "Parallelism": parallelism(config.vllm), "Load": spec.load, **slo,
-            "vLLM": f"{server['vllm_version']}, ready in {server['startup_s']} s, KV cache "
-                    f"{server.get('kv_cache_tokens', '?')} tokens"}
+            "vLLM": f"{server.vllm_version}, ready in {server.startup_s:.1f} s, KV cache "
+                    + (f"{server.kv_cache_tokens:,} tokens" if server.kv_cache_tokens is not None else "? tokens")}
 
 
 def comparable(last_good: LastGood | None, repo_id: str) -> RunRecord | None:

@@ -53,6 +53,7 @@ class RunRecord(BaseModel):
     answers: AnswerBaseline | None = None  # the answer check's figures and outputs: the next check's baseline
     load: str | None = None  # the benchmark's load in words (BenchSpec.load); None in records from before it was kept
     unavailable_s: float | None = None  # the swap's gap as a client saw it (tasks/vllm/gap.py); None: nothing served
+    startup: dict[str, float] | None = None  # the start's phases in seconds (ServerFacts.phases); the next start's yardstick
     status: str = "passed"
     note: str = ""
     compared: str = ""  # the change against the previous good run of the same model on the same GPUs
@@ -61,7 +62,8 @@ class RunRecord(BaseModel):
 
 def run_record(results: list[LevelResult], model: str, revision: str, commit: str, gpu: str, vllm_version: str,
                parallelism: str, flow_run_id: str | None = None, answers: AnswerBaseline | None = None,
-               load: str | None = None, unavailable_s: float | None = None) -> RunRecord:
+               load: str | None = None, unavailable_s: float | None = None,
+               startup: dict[str, float] | None = None) -> RunRecord:
     """Single stream, the knee's throughput and its p99 TTFT, from one sweep's rows."""
     best = knee(results)
     single = next((r for r in results if r.concurrency == 1), None)
@@ -79,6 +81,7 @@ def run_record(results: list[LevelResult], model: str, revision: str, commit: st
         answers=answers,
         load=load,
         unavailable_s=unavailable_s,
+        startup=startup,
     )
 
 

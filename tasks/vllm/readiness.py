@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+from pydantic import BaseModel
 
 from tasks.errors import ServerStartError
 from tasks.vllm.log import PROGRESS, classify_failure, log_tail, next_step, server_facts
@@ -123,12 +124,61 @@ def start_and_wait(cfg: ServerConfig, run_dir: Path, timeout_s: float, api_key: 
     return handle
 
 
-def running_facts(handle: ServerHandle) -> dict[str, str]:
+# A start's phases in the order vLLM goes through them, as the server artifact names them.
+PHASES = {"weights_load_s": "weights loaded", "model_load_s": "model loaded (weights and placement)",
+          "torch_compile_s": "torch.compile", "engine_init_s": "KV cache profile and allocation, warm-up",
+          "graph_capture_s": "CUDA graph capture", "startup_s": "ready to answer (the whole start)"}
+
+
+class ServerFacts(BaseModel):
+    """What a start reported about itself: the version, the start-up time, the KV cache and the
+    phases vLLM logs (each None where this vLLM or platform logs no such line)."""
+
+    vllm_version: str
+    startup_s: float
+    kv_cache_tokens: int | None = None
+    kv_cache_requests: float | None = None  # vLLM's "maximum concurrency" at max_model_len
+    kv_cache_memory_gib: float | None = None  # may be negative: the weights left no room
+    weights_load_s: float | None = None
+    model_load_s: float | None = None
+    torch_compile_s: float | None = None
+    engine_init_s: float | None = None
+    graph_capture_s: float | None = None
+
+    @classmethod
+    def from_log(cls, log: str, *, vllm_version: str, startup_s: float) -> ServerFacts:
+        numbers = {key: float(value.replace(",", "").rstrip("x")) for key, value in server_facts(log).items()}
+        if "kv_cache_tokens" in numbers:
+            numbers["kv_cache_tokens"] = int(numbers["kv_cache_tokens"])
+        return cls(vllm_version=vllm_version, startup_s=startup_s, **numbers)
+
+    @property
+    def phases(self) -> dict[str, float]:
+        """Seconds per phase vLLM logged, in start order; the whole start last."""
+        return {key: getattr(self, key) for key in PHASES if getattr(self, key) is not None}
+
+
+def slow_start(now: dict[str, float], before: dict[str, float] | None, *, factor: float = 1.5,
+               floor_s: float = 10.0) -> str | None:
+    """A start much slower than the last good one's: more than `factor` times as long and by more
+    than `floor_s`. One earlier start gives no interval, so this is a ratio with a floor that a
+    loaded 2-core machine's jitter (a few seconds) stays under. The phase that grew most is named."""
+    if not before or "startup_s" not in before or "startup_s" not in now:
+        return None
+    was, took = before["startup_s"], now["startup_s"]
+    if took <= was * factor or took - was <= floor_s:
+        return None
+    grew = max((k for k in now if k in before and k != "startup_s"), key=lambda k: now[k] - before[k], default=None)
+    return (f"ready after {took:.0f} s against {was:.0f} s for the last good start (x{took / was:.1f})"
+            + (f"; {PHASES[grew]} took {now[grew]:.1f} s against {before[grew]:.1f} s" if grew else ""))
+
+
+def running_facts(handle: ServerHandle) -> ServerFacts:
     """What a run is compared by later: vLLM's version (asked of the server), start-up time, and the
     KV cache and phases its log reports."""
     try:
         version = httpx.get(f"{handle.base_url}/version", timeout=10).json().get("version", "unknown")
     except (httpx.HTTPError, ValueError):
         version = "unknown"
-    return {"vllm_version": version, "startup_s": f"{handle.startup_s:.1f}",
-            **server_facts(handle.log_path.read_text(errors="replace"))}
+    return ServerFacts.from_log(handle.log_path.read_text(errors="replace"), vllm_version=version,
+                                startup_s=round(handle.startup_s, 1))
