@@ -83,8 +83,8 @@ from tasks.steps import (
 )
 from tasks.vllm.command import warming_option_table
 from tasks.vllm.gap import GapProbe, Unavailability
-from tasks.vllm.readiness import slow_start
 from tasks.vllm.process import ServerHandle, reap_stale, served_model, serving_headless, stop_server
+from tasks.vllm.readiness import slow_start
 from tasks.vllm.settings import ServerConfig
 
 __all__ = ["DeployConfig", "DeployResult", "PreparedModel", "deploy_model", "prepare_model", "restore_last_good"]

@@ -53,7 +53,8 @@ class RunRecord(BaseModel):
     answers: AnswerBaseline | None = None  # the answer check's figures and outputs: the next check's baseline
     load: str | None = None  # the benchmark's load in words (BenchSpec.load); None in records from before it was kept
     unavailable_s: float | None = None  # the swap's gap as a client saw it (tasks/vllm/gap.py); None: nothing served
-    startup: dict[str, float] | None = None  # the start's phases in seconds (ServerFacts.phases); the next start's yardstick
+    startup: dict[str, float] | None = None  # the start's phases in seconds (ServerFacts.phases): the next start's
+    # yardstick
     status: str = "passed"
     note: str = ""
     compared: str = ""  # the change against the previous good run of the same model on the same GPUs
