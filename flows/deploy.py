@@ -70,6 +70,7 @@ from tasks.steps import (
     hub_token,
     join_on_host,
     plan_disk,
+    prewarm_model,
     probe_gpus,
     publish_record,
     publish_results,
@@ -220,6 +221,9 @@ def _deploy(config: DeployConfig, summary: DeploySummary) -> DeployResult:
         last_good = previous or read_last_good(config.run_dir)
         summary.last_good = comparable(last_good, config.repo_id)
         same_weights = _check_files(config, prepared, last_good)
+        if config.prewarm and previous is not None:  # nothing serves otherwise: vLLM's own load is as fast
+            summary.prewarm = prewarm_model(prepared.model_dir, keep_warm=previous.model_dir,
+                                            margin_gb=config.prewarm_margin_gb).text()
         # From here until a server is promoted or restored, a guard outlives this process: if it dies
         # (kill -9), the unchecked server is stopped and the last good one brought back.
         begin_swap(config.run_dir, what=f"{config.repo_id}@{prepared.commit[:12]}", models_root=config.models_root,

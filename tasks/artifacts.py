@@ -446,6 +446,7 @@ class DeploySummary:
     rollback_failed: bool = False
     unavailable: Unavailability | None = None  # the swap's gap as the probe saw it; None: nothing served before
     slow_start: str | None = None  # a start much slower than the last good one's, in words
+    prewarm: str | None = None  # what was read into the page cache before the old server stopped
 
     @property
     def what(self) -> str:
@@ -473,6 +474,8 @@ class DeploySummary:
         lines += [f"- **{k}:** {v}" for k, v in self.facts.items()]
         if self.slow_start:
             lines.append(f"- **Slow start:** {self.slow_start}")
+        if self.prewarm:
+            lines.append(f"- **Before the swap:** {self.prewarm}")
         if self.unavailable is not None:
             was = self.last_good.unavailable_s if self.last_good else None
             lines.append(f"- **Unavailable during the swap:** {self.unavailable.text()}"

@@ -48,6 +48,7 @@ from tasks.hub import (
     is_transient,
     resolve_snapshot,
 )
+from tasks.prewarm import Prewarm, prewarm
 from tasks.tuning.measure import CandidateResult, measure, refusal
 from tasks.tuning.space import Candidate
 from tasks.vllm.process import ServerHandle, reap_stale, stop_server
@@ -184,6 +185,14 @@ def start_vllm(cfg: ServerConfig, run_dir: Path, timeout_s: float, api_key_secre
 @task(name="stop-vllm", tags=["vllm"], cache_policy=NO_CACHE)
 def stop_vllm(handle: ServerHandle) -> None:
     stop_server(handle)
+
+
+@task(name="prewarm", tags=["disk"], cache_policy=NO_CACHE)
+def prewarm_model(model_dir: Path, *, keep_warm: Path | None, margin_gb: float) -> Prewarm:
+    """The new shards into the page cache while the old server still answers; said in the log."""
+    done = prewarm(model_dir, keep_warm=keep_warm, margin_bytes=int(margin_gb * 1e9))
+    get_run_logger().info("prewarm: %s", done.text())
+    return done
 
 
 @task(name="stop-serving", task_run_name="stop {what}", tags=["vllm"], cache_policy=NO_CACHE)

@@ -48,6 +48,10 @@ class DeployConfig(BaseModel):
     startup_timeout_s: float = Field(1800, gt=0, description="Load deadline; a 1T model takes 5-15 minutes")
     answers: AnswerSpec = Field(default_factory=AnswerSpec, description="The answer check before the benchmark")
     bench: BenchSpec = Field(default_factory=BenchSpec, description="Benchmark load and sweep")
+    prewarm: bool = Field(True, description="Read the new model's shards into the page cache before the old "
+                          "server stops (within MemAvailable less prewarm_margin_gb and the serving model's files), so "
+                          "vLLM's load after the stop reads memory, not disk")
+    prewarm_margin_gb: float = Field(8.0, ge=0, description="Memory left to the host when prewarming, in GB")
     keep_serving: bool = Field(True, description="Leave the new server serving after its benchmark (the "
                                "deployment); off stops it, and a server it replaced stays stopped")
     max_regression: float | None = Field(0.1, ge=0, lt=1,

@@ -41,6 +41,12 @@ class VllmSettings(BaseModel):
     enforce_eager: bool = Field(False, description="--enforce-eager: no torch.compile nor CUDA graphs; starts "
                                 "in seconds instead of a minute's compile, decodes slower")
     trust_remote_code: bool = Field(False, description="--trust-remote-code")
+    # How the weights come off the disk: on a cold page cache most of a 595 GB start is this.
+    load_format: str | None = Field(None, description="--load-format: auto (vLLM's), safetensors, runai_streamer, "
+                                    "fastsafetensors, ...")
+    safetensors_load_strategy: str | None = Field(None, description="--safetensors-load-strategy: lazy (mmap), "
+                                                  "eager (each file read whole), prefetch (every shard read into "
+                                                  "the page cache first, in threads)")
     # Chat as the model's users use it; the answer check then asks a probe through each parser.
     enable_auto_tool_choice: bool = Field(False, description="--enable-auto-tool-choice: the model may call tools "
                                           "(with tool_call_parser)")
