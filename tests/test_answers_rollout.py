@@ -146,6 +146,8 @@ def test_damaged_revisions_are_caught_by_the_check_named_and_the_good_one_serves
         base_url = f"http://127.0.0.1:{good.server.port}"
         assert good.record.answers.accuracy >= 0.9 and _answer(base_url, repo_id, "41 42 43") == " 44 45 46"
         assert _chat(base_url, repo_id, "41 42 43") == " 44 45 46"  # the demo model ships a chat template
+        # torch.compile's cache on the models disk: a restore of this launch finds its graphs there.
+        assert good.server.env["VLLM_CACHE_ROOT"] == str(config.run_dir / "vllm-cache")
 
         # Caught in the files, before the swap: the good server never stops (same process group).
         for damage, named in ((_swap_tokens, "tokenizer: the ids of 2 tokens changed: 'Ġ47' 353 -> 364, "

@@ -203,6 +203,8 @@ def test_installed_vllm_parser_accepts_the_commands_we_build(tmp_path):
                        data_parallel_size_local=1, data_parallel_address="10.0.0.1", data_parallel_rpc_port=13345,
                        data_parallel_start_rank=1, nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29600,
                        distributed_executor_backend="mp", pipeline_parallel_size=2, enforce_eager=True,
+                       kv_cache_memory_bytes=2**30, enable_auto_tool_choice=True, tool_call_parser="kimi_k2",
+                       reasoning_parser="kimi_k2", load_format="safetensors", safetensors_load_strategy="prefetch",
                        extra_args=["--enable_prefix_caching", "--seed", "7", "--compilation-config.mode", "0"])
     command = build_command(cfg, 8000)
     # Every typed setting is on this command line, so the installed vLLM's parser vets each one.

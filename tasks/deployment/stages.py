@@ -53,7 +53,12 @@ def hardware_plan(config: DeployConfig, prepared: PreparedModel) -> HardwarePlan
 
 def server_config(config: DeployConfig, prepared: PreparedModel, platform: str) -> ServerConfig:
     """One launch of the prepared model with the form's engine settings."""
-    env = {"VLLM_ENGINE_READY_TIMEOUT_S": str(int(config.startup_timeout_s))}
+    # torch.compile's cache on the models disk, beside the runs: a restart of the same deployment, a
+    # rollback's restart and a redeploy of the same commit load their compiled graphs instead of
+    # compiling again (vLLM keys its cache by model, settings and version), and a worker container's
+    # home directory, where vLLM keeps it by default, does not outlive the container.
+    env = {"VLLM_ENGINE_READY_TIMEOUT_S": str(int(config.startup_timeout_s)),
+           "VLLM_CACHE_ROOT": str(config.run_dir / "vllm-cache")}
     if platform == "cpu":
         if config.vllm.kv_cache_memory_bytes is None:  # this legacy variable would override the flag
             env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB; the default would take a large share of RAM
