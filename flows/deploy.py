@@ -240,6 +240,7 @@ def _deploy(config: DeployConfig, summary: DeploySummary) -> DeployResult:
                     if new_pgid is not None:
                         probe.wait_for_answer(new_pgid)
                     summary.unavailable = probe.gap(old_pgid=old_pgid, new_pgid=new_pgid)
+                    probe.pause()  # until a failure needs the restore's first answer
                     return summary.unavailable
 
                 if previous is not None:  # from here a failure restores it
@@ -257,6 +258,7 @@ def _deploy(config: DeployConfig, summary: DeploySummary) -> DeployResult:
                     except Exception as left:  # a node that cannot leave must not keep the last good one down
                         logger.warning("the new group's secondary nodes did not all stop: %s", first_line(left))
                     if previous is not None:
+                        probe.resume()
                         summary.rollback, summary.rollback_failed = restore_last_good(
                             previous, run_dir=config.run_dir, startup_timeout_s=config.startup_timeout_s,
                             why=f"the new deployment failed after the old server was stopped: `{first_line(err)}`")

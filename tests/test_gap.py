@@ -48,4 +48,17 @@ def test_the_gap_runs_from_the_old_servers_last_answer_to_the_serving_ones_first
     assert 0.9 < promoted.seconds < 1.5  # had the failed one been promoted, its first answer ended the gap
     assert "s without an answer" in rolled_back.text()
     nothing = probe.gap(old_pgid=old_pgid, new_pgid=None)
+    # Paused, it sends nothing: the benchmark of a promoted server gets no load it did not ask for.
+    with StreamingServer() as quiet:
+        state_pgid = _record(state, quiet)
+        with GapProbe(state, interval_s=0.05) as paused:
+            paused.wait_for_answer(state_pgid)
+            paused.pause()
+            time.sleep(0.1)
+            count = len(paused.answers)
+            time.sleep(0.5)
+            assert len(paused.answers) == count
+            paused.resume()
+            time.sleep(0.3)
+            assert len(paused.answers) > count
     assert nothing.seconds is None and nothing.text().startswith("nothing has answered since")

@@ -69,6 +69,7 @@ class GapProbe:
     api_key: str | None = None
     answers: list[ProbeAnswer] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
+    _paused: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
     def __enter__(self) -> GapProbe:
@@ -85,6 +86,9 @@ class GapProbe:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         with httpx.Client(timeout=max(1.0, 2 * self.interval_s), headers=headers) as http:
             while not self._stop.is_set():
+                if self._paused.is_set():
+                    self._stop.wait(self.interval_s)
+                    continue
                 sent = time.monotonic()
                 target = _target(self.state_file)
                 ok = False
@@ -98,6 +102,14 @@ class GapProbe:
                         ok = False
                 self.answers.append(ProbeAnswer(at=time.time(), pgid=target[2] if target else None, ok=ok))
                 self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - sent)))
+
+    def pause(self) -> None:
+        """No probes while the new server is checked and benchmarked: one request every 0.5 s would
+        be load the benchmark did not ask for. A failure resumes them before the restore."""
+        self._paused.set()
+
+    def resume(self) -> None:
+        self._paused.clear()
 
     def wait_for_answer(self, pgid: int, timeout_s: float = 5.0) -> None:
         """Until the probe has an answer from `pgid` (the server now serving), at most timeout_s."""
