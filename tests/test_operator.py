@@ -89,7 +89,7 @@ def test_deploy_status_logs_rollback_stop_and_rollback_again_from_the_shell(hub_
         assert f"model:    {repo_id}@{good.commit[:12]} (the last good deployment)" in out
         assert "benchmark: single stream " in out and "answers:  100% of " in out
         code, out, _ = _rollout("logs", "--models-root", root, "-n", "5")  # the tail: the requests' access lines
-        assert code == 0 and len(out.splitlines()) == 5 and "POST /v1/completions" in out, out
+        assert code == 0 and len(out.splitlines()) == 5 and "HTTP/1.1" in out, out
         code, out, _ = _rollout("logs", "--models-root", root, "-n", "100000")  # the whole start-up too
         assert code == 0 and "Application startup complete" in out
 
