@@ -106,8 +106,11 @@ def test_demo_deploys_benchmarks_and_publishes(tmp_path):
     assert "**Verdict:** pass" in artifact("validation-remote-demo-tiny-moe").data
     assert "Hardware check: pass" in artifact("hardware-demo-tiny-moe").data
     server = artifact("server-demo-tiny-moe").data
-    assert "**vLLM version:** 0." in server and "**KV cache (tokens):**" in server
-    assert "**KV cache capacity (requests of max_model_len tokens" in server
+    assert "**vLLM version:** 0." in server and "**KV cache:** 36,400 tokens" in server
+    assert "requests of max_model_len tokens (vLLM's \"maximum concurrency\")" in server
+    # The start in phases; a first deployment has no last good start to stand beside.
+    assert "| weights loaded | " in server and "| ready to answer (the whole start) | " in server
+    assert "| KV cache profile and allocation, warm-up | " in server and " | - |" in server
     assert " \\\n  --enable-expert-parallel" in server  # one option per line
     roles = json.loads(artifact("validation-table-local-demo-tiny-moe-int4").data)
     assert {"role": "routed expert", "storage": "packed", "dtype": "I32", "modules": 24} in [
