@@ -96,7 +96,7 @@ def start(model: Path, run_dir: Path, **settings) -> float:
     server_cpus, _ = server_and_client_cpus()
     env = {"VLLM_CPU_OMP_THREADS_BIND": server_cpus, **settings.pop("env", {})}
     cfg = ServerConfig(model_path=model, served_model_name="swap", port=0, max_model_len=1024, cpus=server_cpus,
-                       kv_cache_memory_bytes=64 * 2**20, env=env, **settings)
+                       kv_cache_memory_bytes=2**30, env=env, **settings)
     handle = start_and_wait(cfg, run_dir, timeout_s=900)
     try:
         facts = running_facts(handle)
