@@ -65,7 +65,7 @@ def test_deploy_status_logs_rollback_stop_and_rollback_again_from_the_shell(hub_
     deploy = ["deploy", repo_id, "--endpoint", local_hub.endpoint, "--models-root", root, "--port", port, "--tp", "1",
               "--enforce-eager", "--max-model-len", "1024", "--input-len", "64", "--output-len", "32",
               "--concurrency", "1,2", "--level-duration-s", "1.5", "--disk-margin-gb", "0.1",
-              "--max-regression", "0.99", *cpus]
+              "--max-regression", "0.99", "--kv-cache-memory-bytes", "83886080", *cpus]
     # The shipped automations, through a webhook block pointed at the local receiver.
     CustomWebhookNotificationBlock(name="rollout test", url=webhook.url, allow_private_urls=True,
                                    json_data={"subject": "{{subject}}", "body": "{{body}}"}).save("rollout-test",
