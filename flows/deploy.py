@@ -234,9 +234,12 @@ def _deploy(config: DeployConfig, summary: DeploySummary) -> DeployResult:
             # host records, from before the old one stops until the next one answers.
             with GapProbe(config.run_dir / "server.json", api_key=secret(config.api_key_secret)) as probe:
 
+                if old_pgid is None:
+                    probe.pause()  # nothing served before: no gap to measure, and no load to add
+
                 def swap_gap(new_pgid: int | None) -> Unavailability | None:
                     if old_pgid is None:
-                        return None  # nothing served before: no gap to measure
+                        return None
                     if new_pgid is not None:
                         probe.wait_for_answer(new_pgid)
                     summary.unavailable = probe.gap(old_pgid=old_pgid, new_pgid=new_pgid)
