@@ -23,11 +23,20 @@ from tasks.history.last_good import serving_deployment, write_last_good
 from tasks.history.swap import begin_swap, end_swap
 from tasks.history.tuned import TunedSettings, write_tuned
 from tasks.host_lock import host_lock
-from tasks.steps import check_candidate, is_measured, measure_candidate, probe_gpus, start_vllm, stop_serving
+from tasks.steps import (
+    check_candidate,
+    is_measured,
+    measure_candidate,
+    probe_gpus,
+    secret,
+    start_vllm,
+    stop_serving,
+)
 from tasks.tuning.chart import pareto_chart
 from tasks.tuning.measure import CandidateResult, winner
 from tasks.tuning.space import TuneSpace, candidate_key, candidates
 from tasks.vllm.command import warming_option_table
+from tasks.vllm.gap import GapProbe
 from tasks.vllm.options import installed_version
 
 
@@ -59,36 +68,50 @@ def tune_model(config: TuneConfig) -> list[CandidateResult]:
         results: list[CandidateResult] = []
         vocab, measured_on = vocab_size(prepared.model_dir), (installed_version() or "unknown",
                                                                f"{platform_label(gpu)} at {deploy.run_dir}")
-        try:
-            for candidate in candidates(deploy.vllm, config.space):
-                form = deploy.model_copy(update={"vllm": candidate.settings})
-                server = server_config(form, prepared, gpu.platform)
-                refused = check_candidate(candidate, gpu, hardware_plan(form, prepared), server, deploy.run_dir)
-                if refused is not None:
-                    logger.info("%s: refused by %s in %.0f ms", candidate.name, refused.cause, refused.seconds * 1000)
-                    results.append(refused)
-                    continue
-                if config.max_hours and time.monotonic() - started > config.max_hours * 3600:
-                    results.append(CandidateResult(name=candidate.name, settings=candidate.settings,
-                                                   status="not measured", cause="max_hours"))
-                    continue
-                gpus = gpus_used(gpu, candidate.settings) or 1
-                key = candidate_key(candidate, prepared.commit, vllm_version=measured_on[0], gpus=measured_on[1],
-                                    bench=deploy.bench, answers=deploy.answers.for_model(prepared.model_dir))
-                if previous is not None and not stopped and not is_measured(key):
-                    begin_swap(deploy.run_dir, what=f"tune of {deploy.repo_id}", models_root=deploy.models_root)
-                    stop_serving(deploy.run_dir, f"{previous.repo_id}@{previous.commit[:12]}")
-                    stopped = True
-                results.append(measure_candidate(key, candidate, server, deploy.run_dir, deploy.startup_timeout_s,
-                                                 deploy.api_key_secret, deploy.answers, prepared.model_dir,
-                                                 deploy.bench, vocab, gpus))
-        finally:
-            if stopped:  # the host serves what it served before the search
-                handle, _ = start_vllm.with_options(task_run_name="restart last good")(
-                    previous.server, deploy.run_dir, deploy.startup_timeout_s, previous.api_key_secret,
-                    deploy.repo_id, "-after-tune")
-                write_last_good(deploy.run_dir, previous.model_copy(update={"serving_pgid": handle.pgid}))
-                end_swap(deploy.run_dir)
+        # The host's gap as a client sees it, from the serving model's last answer to its restart's
+        # first; no probe while the candidates are measured (load they did not ask for).
+        probe = GapProbe(deploy.run_dir / "server.json", api_key=secret(previous.api_key_secret) if previous else None)
+        probe.pause()
+        with probe:
+            try:
+                for candidate in candidates(deploy.vllm, config.space):
+                    form = deploy.model_copy(update={"vllm": candidate.settings})
+                    server = server_config(form, prepared, gpu.platform)
+                    refused = check_candidate(candidate, gpu, hardware_plan(form, prepared), server, deploy.run_dir)
+                    if refused is not None:
+                        logger.info("%s: refused by %s in %.0f ms", candidate.name, refused.cause,
+                                    refused.seconds * 1000)
+                        results.append(refused)
+                        continue
+                    if config.max_hours and time.monotonic() - started > config.max_hours * 3600:
+                        results.append(CandidateResult(name=candidate.name, settings=candidate.settings,
+                                                       status="not measured", cause="max_hours"))
+                        continue
+                    gpus = gpus_used(gpu, candidate.settings) or 1
+                    key = candidate_key(candidate, prepared.commit, vllm_version=measured_on[0],
+                                        gpus=measured_on[1], bench=deploy.bench,
+                                        answers=deploy.answers.for_model(prepared.model_dir))
+                    if previous is not None and not stopped and not is_measured(key):
+                        begin_swap(deploy.run_dir, what=f"tune of {deploy.repo_id}", models_root=deploy.models_root)
+                        probe.resume()
+                        probe.wait_for_answer(previous.serving_pgid)  # the gap starts at its last answer
+                        probe.pause()
+                        stop_serving(deploy.run_dir, f"{previous.repo_id}@{previous.commit[:12]}")
+                        stopped = True
+                    results.append(measure_candidate(key, candidate, server, deploy.run_dir,
+                                                     deploy.startup_timeout_s, deploy.api_key_secret, deploy.answers,
+                                                     prepared.model_dir, deploy.bench, vocab, gpus))
+            finally:
+                if stopped:  # the host serves what it served before the search
+                    probe.resume()
+                    handle, _ = start_vllm.with_options(task_run_name="restart last good")(
+                        previous.server, deploy.run_dir, deploy.startup_timeout_s, previous.api_key_secret,
+                        deploy.repo_id, "-after-tune")
+                    write_last_good(deploy.run_dir, previous.model_copy(update={"serving_pgid": handle.pgid}))
+                    end_swap(deploy.run_dir)
+                    probe.wait_for_answer(handle.pgid)
+                    logger.warning("unavailable during the tune: %s",
+                                   probe.gap(old_pgid=previous.serving_pgid, new_pgid=handle.pgid).text())
         best = winner(results, config.winner_rule)
         if config.promote and best is not None:
             write_tuned(deploy.run_dir, TunedSettings(repo_id=deploy.repo_id, settings=best.settings,

@@ -3,9 +3,14 @@ that starts and fails, two measured; a re-run measures nothing; a promoted winne
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import yaml
 from conftest import artifact, vllm_processes
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+from testkit.cli_args import cli_args
 from typer.testing import CliRunner
 
 from flows.cli import app
@@ -16,7 +21,20 @@ from tasks.tuning.measure import CandidateResult, winner
 from tasks.tuning.space import Layout, TuneSpace, candidates
 from tasks.vllm.process import reap_stale, serving_group
 from tasks.vllm.settings import VllmSettings
-from testkit.cli_args import cli_args
+
+
+def _logs_of(run_id, wait_s: float = 20.0) -> list:
+    """The run's logs; the API stores log batches asynchronously: poll briefly for the one asked."""
+    log_filter = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id]))
+    deadline = time.monotonic() + wait_s
+    with get_client(sync_client=True) as client:
+        while time.monotonic() < deadline:
+            logs = client.read_logs(log_filter=log_filter)
+            if any(log.message.startswith("unavailable during") for log in logs):
+                return logs
+            time.sleep(0.2)
+    return logs
+
 
 SPACE = TuneSpace(layouts=[Layout(tensor_parallel_size=1)], max_num_seqs=[2, 16],
                   extra=[{"kv_cache_dtype": "fp9"}, {"max_model_len": 100000}])
@@ -118,6 +136,17 @@ def test_tune_refuses_measures_resumes_and_promotes(local_hub, tmp_path):
         cached = CliRunner().invoke(app, ["tune", *cli_args(deploy), "--space", str(space), "--promote"])
         assert cached.exit_code == 0, cached.output
         assert serving_group(deploy.run_dir / "server.json") == serving is not None  # a restart: a new group
+        # A candidate never measured: the serving model is stopped for it and started again after,
+        # and the run says how long the host answered nothing.
+        fresh = TuneConfig(deploy=deploy.model_copy(update={"bench": deploy.bench.model_copy(
+            update={"concurrency_levels": [1]})}), space=TuneSpace(layouts=[Layout(tensor_parallel_size=1)],
+                                                                   max_num_seqs=[8]))
+        state = tune_model(fresh, return_state=True)
+        assert [r.status for r in state.result()] == ["measured"]
+        assert serving_group(deploy.run_dir / "server.json") not in (None, serving)  # started again
+        messages = [log.message for log in _logs_of(state.state_details.flow_run_id)]
+        assert any(m.startswith("unavailable during the tune: ") and " s without an answer" in m
+                   for m in messages), messages
     finally:
         reap_stale(deploy.run_dir / "server.json")
     assert vllm_processes() == []
