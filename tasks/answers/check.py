@@ -223,7 +223,7 @@ def check_answers(base_url: str, model: str, spec: AnswerSpec, *, last_good: Ans
     probes = load_probes(spec.probes) if spec.probes else BUILTIN_PROBES
     results = ask(base_url, model, probes, api_key, spec.max_tokens)
     if spec.chat:
-        results += ask_chat(base_url, model, probes, api_key, spec.max_tokens)
+        results += ask(base_url, model, probes, api_key, spec.max_tokens, chat=True)
     report = judge(results, perplexity=perplexity(base_url, model, spec.reference_text or BUILTIN_REFERENCE, api_key),
                    thresholds=spec, last_good=last_good, same_commit=same_commit, same_weights=same_weights)
     if tools or reasoning:  # judged on their own: a parser is right or wrong, not a share of the probes
@@ -245,37 +245,27 @@ def _client(base_url: str, api_key: str | None, timeout_s: float) -> OpenAI:
 
 
 def ask(base_url: str, model: str, probes: list[Probe], api_key: str | None = None, max_tokens: int = 16,
-        timeout_s: float = 120.0) -> list[ProbeResult]:
-    """Each probe's greedy completion; a server that refuses is an AnswerCheckFailed in its words."""
+        timeout_s: float = 120.0, *, chat: bool = False) -> list[ProbeResult]:
+    """Each probe's greedy answer: a completion of its prompt, or with `chat` the reply to it as a
+    user's message through the chat template vLLM serves. A server that refuses is an
+    AnswerCheckFailed in its words."""
     client = _client(base_url, api_key, timeout_s)
     results = []
     for probe in probes:
         try:
-            done = client.completions.create(model=model, prompt=probe.prompt, max_tokens=max_tokens, temperature=0.0)
+            if chat:
+                done = client.chat.completions.create(model=model, max_tokens=max_tokens, temperature=0.0,
+                                                      messages=[{"role": "user", "content": probe.prompt}])
+                output = (done.choices[0].message.content or "") if done.choices else ""
+            else:
+                done = client.completions.create(model=model, prompt=probe.prompt, max_tokens=max_tokens,
+                                                 temperature=0.0)
+                output = done.choices[0].text if done.choices else ""
         except APIError as exc:
-            raise AnswerCheckFailed(f"{base_url} refused the answer probe {probe.prompt[:40]!r}: "
-                                    f"{str(exc).splitlines()[0]}") from exc
-        output = done.choices[0].text if done.choices else ""
-        results.append(ProbeResult(prompt=probe.prompt, expected=probe.expected, output=output,
-                                   correct=_correct(output, probe.expected)))
-    return results
-
-
-def ask_chat(base_url: str, model: str, probes: list[Probe], api_key: str | None = None, max_tokens: int = 16,
-             timeout_s: float = 120.0) -> list[ProbeResult]:
-    """Each probe as a user's chat message, greedy, through the chat template vLLM serves."""
-    client = _client(base_url, api_key, timeout_s)
-    results = []
-    for probe in probes:
-        try:
-            done = client.chat.completions.create(model=model, messages=[{"role": "user", "content": probe.prompt}],
-                                                  max_tokens=max_tokens, temperature=0.0)
-        except APIError as exc:
-            raise AnswerCheckFailed(f"{base_url} refused the chat probe {probe.prompt[:40]!r}: "
-                                    f"{str(exc).splitlines()[0]}") from exc
-        output = (done.choices[0].message.content or "") if done.choices else ""
-        results.append(ProbeResult(prompt=probe.prompt, expected=probe.expected, output=output, chat=True,
-                                   correct=_scored(output, probe.expected, chat=True)))
+            raise AnswerCheckFailed(f"{base_url} refused the {'chat' if chat else 'answer'} probe "
+                                    f"{probe.prompt[:40]!r}: {str(exc).splitlines()[0]}") from exc
+        results.append(ProbeResult(prompt=probe.prompt, expected=probe.expected, output=output, chat=chat,
+                                   correct=_scored(output, probe.expected, chat=chat)))
     return results
 
 
