@@ -322,12 +322,12 @@ def bench(
 
     import httpx
 
-    from tasks.artifacts import model_slug
     from tasks.bench.load import probe_prompts, run_level
     from tasks.bench.prompts import level_prompts
     from tasks.bench.report import save_results
     from tasks.bench.spec import geometric_levels
     from tasks.bench.sweep import sweep
+    from tasks.orchestration.artifacts import model_slug
 
     if max_concurrency:
         options["concurrency_levels"] = ",".join(map(str, geometric_levels(max_concurrency)))
@@ -395,8 +395,8 @@ def history(
     """
     import pandas as pd
 
-    from tasks.artifacts import read_history
     from tasks.history.runs import comparison, readable
+    from tasks.orchestration.artifacts import read_history
 
     if not 0 <= threshold < 1:
         typer.echo(f"error: bad option --threshold {threshold}: a fraction in [0, 1)", err=True)
@@ -463,7 +463,7 @@ def tune(
         _fail(exc)
     import pandas as pd
 
-    from tasks.artifacts import tuning_rows
+    from tasks.orchestration.artifacts import tuning_rows
     from tasks.tuning.measure import winner
 
     with pd.option_context("display.width", 250, "display.max_columns", None, "display.max_colwidth", 60):
@@ -484,7 +484,7 @@ def notify(
 ) -> None:
     """Install the automations of deployments/automations.yaml on the Prefect server: a message
     when a deploy rolls back or the nightly fails."""
-    from tasks.notify import install_automations
+    from tasks.orchestration.notify import install_automations
 
     if block.count("/") != 1 or not all(block.split("/")):
         typer.echo(f"error: --block {block!r}: expected <block-type>/<block-name>, e.g. slack-webhook/ops", err=True)

@@ -8,9 +8,9 @@ that reports to this Prefect server, and publishes the table where the runs them
 from prefect import flow, get_run_logger
 from pydantic import BaseModel, Field
 
-from tasks.artifacts import publish_comparison, read_history
 from tasks.errors import RegressionError
 from tasks.history.runs import comparison
+from tasks.orchestration.artifacts import publish_comparison, read_history
 
 
 class CompareConfig(BaseModel):

@@ -17,7 +17,6 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from tasks.answers.check import AnswerBaseline
-from tasks.artifacts import DeploySummary, FetchProgress, command_block, model_slug, publish_fetch, publish_rollback
 from tasks.bench.results import LevelResult
 from tasks.bench.sweep import sweep, unusable_level
 from tasks.deployment.config import DeployConfig
@@ -56,11 +55,19 @@ from tasks.history.runs import RunRecord, check_regression, run_record
 from tasks.history.serving import check_state_files, take_over
 from tasks.history.swap import abandoned_swap, begin_swap, end_swap
 from tasks.history.tuned import read_tuned
-from tasks.host_lock import host_lock, mark_crashed
 from tasks.hub import RepoSnapshot, missing_bytes, record_revision, snapshot_dir
-from tasks.notify import emit_rolled_back
-from tasks.run_labels import label_run
-from tasks.steps import (
+from tasks.orchestration.artifacts import (
+    DeploySummary,
+    FetchProgress,
+    command_block,
+    model_slug,
+    publish_fetch,
+    publish_rollback,
+)
+from tasks.orchestration.host_lock import host_lock, mark_crashed
+from tasks.orchestration.notify import emit_rolled_back
+from tasks.orchestration.run_labels import label_run
+from tasks.orchestration.steps import (
     answer_check,
     bench_level,
     check_gpus,

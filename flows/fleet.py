@@ -11,12 +11,12 @@ mirror, so the Hub is read once per rollout.
 # No `from __future__ import annotations`: Prefect builds the parameter form from real annotations.
 from prefect import flow, get_run_logger
 
-from tasks.artifacts import publish_fleet
 from tasks.errors import FleetRolloutFailed
 from tasks.fleet.hosts import FleetConfig
 from tasks.fleet.rollout import HostOutcome, fleet_rows, verdict
-from tasks.run_labels import label_run
-from tasks.steps import deploy_on_host, hub_token, resolve_revision
+from tasks.orchestration.artifacts import publish_fleet
+from tasks.orchestration.run_labels import label_run
+from tasks.orchestration.steps import deploy_on_host, hub_token, resolve_revision
 
 
 @flow(name="fleet-rollout")

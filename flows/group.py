@@ -12,8 +12,8 @@ from flows.deploy import prepare_steps
 from tasks.deployment.config import DeployConfig
 from tasks.deployment.stages import server_config
 from tasks.history.last_good import serving_deployment
-from tasks.host_lock import host_lock
-from tasks.steps import probe_gpus, start_vllm, stop_serving
+from tasks.orchestration.host_lock import host_lock
+from tasks.orchestration.steps import probe_gpus, start_vllm, stop_serving
 from tasks.vllm.command import warming_option_table
 
 

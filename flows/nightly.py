@@ -9,12 +9,12 @@ commit, deploy_model runs pinned to that commit, so what was checked is what get
 from prefect import flow, get_run_logger
 
 from flows.deploy import deploy_model
-from tasks.artifacts import publish_nightly
 from tasks.deployment.config import DeployConfig
 from tasks.errors import HubUnreachable, first_line
 from tasks.history.last_good import read_last_good, serving_deployment
-from tasks.run_labels import child_run_id, label_run
-from tasks.steps import hub_token, resolve_revision
+from tasks.orchestration.artifacts import publish_nightly
+from tasks.orchestration.run_labels import child_run_id, label_run
+from tasks.orchestration.steps import hub_token, resolve_revision
 from tasks.vllm.process import serving_headless
 
 

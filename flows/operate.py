@@ -11,7 +11,6 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
 from flows.deploy import restore_last_good
-from tasks.artifacts import publish_stopped
 from tasks.errors import ServerStartError, UnusableInput
 from tasks.history.last_good import (
     LastGood,
@@ -22,8 +21,9 @@ from tasks.history.last_good import (
 )
 from tasks.history.serving import check_state_files
 from tasks.history.swap import abandoned_swap, begin_swap, end_swap
-from tasks.host_lock import host_lock, mark_crashed
-from tasks.steps import secret, stop_serving
+from tasks.orchestration.artifacts import publish_stopped
+from tasks.orchestration.host_lock import host_lock, mark_crashed
+from tasks.orchestration.steps import secret, stop_serving
 from tasks.vllm.gap import GapProbe
 from tasks.vllm.process import serving_group
 

@@ -16,14 +16,14 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
 from flows.deploy import prepare_steps
-from tasks.artifacts import publish_tuning
 from tasks.deployment.config import DeployConfig
 from tasks.deployment.stages import gpus_used, hardware_plan, platform_label, server_config, vocab_size
 from tasks.history.last_good import serving_deployment, write_last_good
 from tasks.history.swap import begin_swap, end_swap
 from tasks.history.tuned import TunedSettings, write_tuned
-from tasks.host_lock import host_lock
-from tasks.steps import (
+from tasks.orchestration.artifacts import publish_tuning
+from tasks.orchestration.host_lock import host_lock
+from tasks.orchestration.steps import (
     check_candidate,
     is_measured,
     measure_candidate,

@@ -256,7 +256,7 @@ def _stream(url: str, sink: _HashingFile, file: RepoFile) -> None:
     """One GET of the rest of the file into sink, from the bytes already on disk.
 
     A reset, a short body, a 5xx or a 429 ends this try with a transient error; the fetch task's
-    retries (tasks/steps.py) are the only retry budget, and each try resumes here. A 429's
+    retries (tasks/orchestration/steps.py) are the only retry budget, and each try resumes here. A 429's
     Retry-After is waited out first, so the next try comes no sooner than the hub asked.
     Chunks are written as the socket yields them: http_get re-buffers every 10 MiB (a copy per
     byte, and up to 10 MiB lost on a reset), which the hash cannot afford on 2 cores.

@@ -18,9 +18,9 @@ from conftest import artifact, vllm_processes
 
 from flows.demo import BF16_REPO, demo_config
 from flows.nightly import nightly_refresh
-from tasks.artifacts import model_slug, read_history
 from tasks.errors import AnswerCheckFailed, FilesChanged
 from tasks.history.last_good import read_last_good
+from tasks.orchestration.artifacts import model_slug, read_history
 from tasks.vllm.process import reap_stale
 
 pytestmark = pytest.mark.usefixtures("prefect_server")

@@ -17,13 +17,12 @@ from prefect.deployments import run_deployment
 from prefect.settings import PREFECT_API_URL
 from prefect.states import Cancelling
 
-from testkit.prefect_processes import free_port
-
 from flows.demo import BF16_REPO, demo_config
 from flows.deploy import deploy_model
 from tasks.history.last_good import read_last_good
-from tasks.host_lock import LEASE_S, host_lock
+from tasks.orchestration.host_lock import LEASE_S, host_lock
 from tasks.vllm.process import reap_stale, serving_group
+from testkit.prefect_processes import free_port
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 

@@ -18,7 +18,7 @@ from tasks.bench.sweep import knee
 from tasks.errors import CheckpointError, DiskSpaceError, GpuConfigError, HostBusyError, HubError, ServerStartError
 from tasks.history.last_good import LastGood, write_last_good
 from tasks.history.runs import RunRecord
-from tasks.host_lock import host_lock
+from tasks.orchestration.host_lock import host_lock
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 

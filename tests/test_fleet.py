@@ -37,11 +37,11 @@ from prefect.deployments import run_deployment
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from flows.demo import BF16_REPO, demo_config
-from tasks.artifacts import model_slug, read_history
 from tasks.deployment.config import DeployConfig, Follower
 from tasks.fleet.hosts import HostsFile
 from tasks.history.last_good import read_last_good
 from tasks.hub import resolve_snapshot
+from tasks.orchestration.artifacts import model_slug, read_history
 from tasks.vllm.process import reap_stale
 from testkit.browser import CHROMIUM, open_artifact
 from testkit.faulty_mirror import FaultyMirror

@@ -15,12 +15,12 @@ from typer.testing import CliRunner
 from flows.cli import app
 from flows.compare import CompareConfig, compare_runs
 from tasks.answers.check import AnswerBaseline
-from tasks.artifacts import read_history
 from tasks.bench.load import run_level
 from tasks.bench.spec import BenchSpec
 from tasks.errors import RegressionError
 from tasks.history.runs import RunRecord, check_regression, run_record
-from tasks.steps import publish_record
+from tasks.orchestration.artifacts import read_history
+from tasks.orchestration.steps import publish_record
 from testkit.openai_server import StreamingServer
 
 pytestmark = pytest.mark.usefixtures("prefect_server")

@@ -31,7 +31,7 @@ from tasks.hub import (
     resolve_snapshot,
     snapshot_dir,
 )
-from tasks.steps import fetch
+from tasks.orchestration.steps import fetch
 from testkit.faulty_hub import Fault
 
 CHUNK = 10 * 2**20

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 LINT = str(Path(sys.executable).parent / "lint-imports")
 
@@ -25,13 +27,17 @@ def test_domain_code_imports_no_prefect_and_layers_hold():
     assert "2 kept, 0 broken" in done.stdout
 
 
-def test_a_domain_module_importing_prefect_breaks_the_contract(tmp_path):
+@pytest.mark.parametrize("planted, broken", [
+    ("from prefect import task", "tasks.disk -> prefect"),
+    ("from tasks.orchestration import steps", "tasks.disk -> tasks.orchestration.steps"),
+])
+def test_a_domain_module_importing_prefect_or_the_orchestration_layer_breaks_the_contract(planted, broken, tmp_path):
     for name in ("tasks", "flows"):
         shutil.copytree(ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path)
     disk = tmp_path / "tasks" / "disk.py"
     disk.write_text(disk.read_text().replace("from pydantic import BaseModel\n",
-                                             "from pydantic import BaseModel\nfrom prefect import task\n", 1))
+                                             f"from pydantic import BaseModel\n{planted}\n", 1))
     done = _lint(tmp_path)
     assert done.returncode == 1, done.stdout + done.stderr
-    assert "BROKEN" in done.stdout and "tasks.disk -> prefect" in done.stdout
+    assert "BROKEN" in done.stdout and broken in done.stdout, done.stdout

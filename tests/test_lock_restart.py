@@ -11,13 +11,13 @@ import sys
 import time
 
 from prefect.settings import PREFECT_API_URL, temporary_settings
-from testkit.prefect_processes import free_port, prefect_server
 
-from tasks.host_lock import LEASE_S, host_lock
+from tasks.orchestration.host_lock import LEASE_S, host_lock
+from testkit.prefect_processes import free_port, prefect_server
 
 HOLD = """
 import sys, time
-from tasks.host_lock import host_lock
+from tasks.orchestration.host_lock import host_lock
 with host_lock("restart-test"):
     print("held", flush=True)
     time.sleep(600)

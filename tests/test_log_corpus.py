@@ -164,7 +164,7 @@ def test_next_step_for_the_other_causes():
 
 
 def test_a_failed_start_carries_its_next_step_into_the_error_and_the_artifact(tmp_path, monkeypatch):
-    from tasks import artifacts
+    from tasks.orchestration import artifacts
     from tasks.vllm.process import ServerHandle
     from tasks.vllm.readiness import _failed
 

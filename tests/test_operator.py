@@ -23,10 +23,10 @@ from typer.testing import CliRunner
 from flows.cli import app
 from flows.demo import BF16_REPO, demo_config
 from flows.nightly import nightly_refresh
-from tasks.artifacts import model_slug, read_history
 from tasks.cpus import server_and_client_cpus
 from tasks.errors import RegressionError
 from tasks.history.last_good import read_last_good, write_last_good
+from tasks.orchestration.artifacts import model_slug, read_history
 from tasks.vllm.process import group_members, reap_stale, serving_group
 from testkit.prefect_processes import BIN, free_port
 

@@ -15,7 +15,6 @@ from prefect.blocks.system import Secret
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import FlowRun
 
-from tasks import artifacts
 from tasks.answers.check import AnswerBaseline, AnswerReport, check_answers
 from tasks.answers.files import FilesComparison, compare_files
 from tasks.answers.spec import AnswerSpec
@@ -48,6 +47,7 @@ from tasks.hub import (
     is_transient,
     resolve_snapshot,
 )
+from tasks.orchestration import artifacts
 from tasks.prewarm import Prewarm, prewarm
 from tasks.tuning.measure import CandidateResult, measure, refusal
 from tasks.tuning.space import Candidate

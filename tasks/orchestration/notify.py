@@ -17,9 +17,9 @@ from prefect.events import emit_event
 from prefect.events.schemas.automations import AutomationCore
 from prefect.runtime import flow_run
 
-from tasks.artifacts import model_slug, ui_link
 from tasks.errors import UnusableInput
 from tasks.host import host_name
+from tasks.orchestration.artifacts import model_slug, ui_link
 
 AUTOMATIONS = Path(__file__).resolve().parent.parent / "deployments" / "automations.yaml"
 BLOCK_PLACEHOLDER = "NOTIFICATION_BLOCK"

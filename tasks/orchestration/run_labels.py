@@ -10,8 +10,8 @@ from __future__ import annotations
 from prefect.client.orchestration import get_client
 from prefect.runtime import deployment, flow_run
 
-from tasks.artifacts import model_slug
 from tasks.host import host_name
+from tasks.orchestration.artifacts import model_slug
 
 TRIGGER = "trigger:"
 
