@@ -255,7 +255,7 @@ def prepare(
 
     Tonight's model, downloaded and checked in the afternoon, so the nightly only swaps servers.
     """
-    from flows.deploy import prepare_model
+    from flows.prepare import prepare_model
 
     _exit_on_sigterm()
     _check_prefect()

@@ -1,13 +1,14 @@
-"""The deploy flows: Hub repo in, benchmarked vLLM server's numbers out.
+"""The deploy flow: Hub repo in, benchmarked vLLM server's numbers out.
 
-prepare_model (resolve, disk, fetch, validate) is its own flow so a model can be checked and staged
-without touching the GPUs; deploy_model runs the same steps, then the GPU check, the swap of
-servers and the sweep. Each body is the pipeline's steps; what they mean lives in tasks/.
+deploy_model runs prepare's steps (flows/prepare.py) while the current model still serves, then the
+GPU check, the swap of servers and the sweep, and publishes one report however it ends. Each body
+is the pipeline's steps; what they mean lives in tasks/.
 """
 
 # No `from __future__ import annotations` here: Prefect validates flow parameters from the real
 # annotation objects when a worker loads this module, and a string "DeployConfig" cannot be resolved.
-import time
+from collections.abc import Callable
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from prefect.futures import wait
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from flows.prepare import prepare_steps
 from tasks.answers.check import AnswerBaseline
 from tasks.bench.results import LevelResult
 from tasks.bench.sweep import sweep, unusable_level
@@ -34,7 +36,7 @@ from tasks.deployment.stages import (
     server_config,
     vocab_size,
 )
-from tasks.disk import GB
+from tasks.deployment.summary import DeployReport, Restored, Served
 from tasks.errors import (
     AnswerCheckFailed,
     BenchmarkFailed,
@@ -55,112 +57,36 @@ from tasks.history.runs import RunRecord, check_regression, run_record
 from tasks.history.serving import check_state_files, take_over
 from tasks.history.swap import abandoned_swap, begin_swap, end_swap
 from tasks.history.tuned import read_tuned
-from tasks.hub import RepoSnapshot, missing_bytes, record_revision, snapshot_dir
 from tasks.orchestration.artifacts import (
-    DeploySummary,
-    FetchProgress,
     command_block,
     model_slug,
-    publish_fetch,
+    publish_deploy_summary,
     publish_rollback,
 )
 from tasks.orchestration.host_lock import host_lock, mark_crashed
 from tasks.orchestration.notify import emit_rolled_back
-from tasks.orchestration.run_labels import label_run
 from tasks.orchestration.steps import (
     answer_check,
     bench_level,
     check_gpus,
     compare_with_last_good,
-    evict_models,
-    fetch,
-    hub_token,
     join_on_host,
-    plan_disk,
     prewarm_model,
     probe_gpus,
     publish_record,
     publish_results,
-    resolve_revision,
     secret,
     start_vllm,
     stop_serving,
     stop_vllm,
-    validate_local,
-    validate_remote,
 )
 from tasks.vllm.command import warming_option_table
 from tasks.vllm.gap import GapProbe, Unavailability
-from tasks.vllm.process import ServerHandle, reap_stale, served_model, serving_headless, stop_server
+from tasks.vllm.process import reap_stale, serving_headless, stop_server
 from tasks.vllm.readiness import slow_start
 from tasks.vllm.settings import ServerConfig
 
-__all__ = ["DeployConfig", "DeployResult", "PreparedModel", "deploy_model", "prepare_model", "restore_last_good"]
-
-
-@flow(name="prepare-model")
-def prepare_model(config: DeployConfig) -> PreparedModel:
-    """Pin the revision, make room, fetch every file in parallel, and check the checkpoint."""
-    return prepare_steps(config)
-
-
-def prepare_steps(config: DeployConfig, run_prefix: str = "") -> PreparedModel:
-    """The prepare steps as tasks of the calling flow (deploy, tune), which they name after the
-    model (`run_prefix` first). Not a prepare-model subflow: a task fed a subflow's result records a
-    `flow_run` input, and Prefect's UI then lists none of the run's task runs (PrefectHQ/prefect#18680)."""
-    logger = get_run_logger()
-    label_run(config.repo_id, config.revision, prefix=run_prefix)  # findable even when the hub does not answer
-    with hub_token(config.hf_token_secret):
-        snapshot = resolve_revision(config.repo_id, config.revision, config.hub_endpoint)
-        label_run(config.repo_id, config.revision, snapshot.commit, prefix=run_prefix)
-        logger.info("%s@%s is commit %s: %d files, %.2f GB", config.repo_id, config.revision, snapshot.commit,
-                    len(snapshot.files), snapshot.total_bytes / GB)
-        validate_remote(snapshot, config.hub_endpoint)
-        needed = missing_bytes(snapshot, config.cache_dir)
-        _make_room(config, snapshot, needed)
-        _fetch_all(config, snapshot, needed)
-        model_dir = snapshot_dir(snapshot, config.cache_dir)
-        report = validate_local(model_dir, config.repo_id)
-    return PreparedModel(repo_id=config.repo_id, commit=snapshot.commit, model_dir=model_dir,
-                         total_bytes=snapshot.total_bytes, validation=report)
-
-
-def _make_room(config: DeployConfig, snapshot: RepoSnapshot, needed: int) -> None:
-    """Plan the disk (never the served, pinned or fallback model) and delete what the plan lists."""
-    logger = get_run_logger()
-    last_good = read_last_good(config.run_dir)
-    plan = plan_disk(config.models_root, needed, int(config.disk_margin_gb * GB), (snapshot.repo_id, snapshot.commit),
-                     served_model(config.run_dir / "server.json"), config.pinned_models,
-                     last_good.model_dir if last_good else None, not config.evict)
-    for warning in plan.warnings:
-        logger.warning(warning)
-    if plan.evictions:
-        evicted = evict_models(plan, config.models_root, config.repo_id)
-        logger.info("deleted %s: free %.2f -> %.2f GB", ", ".join(evicted.deleted),
-                    evicted.free_before_bytes / GB, evicted.free_after_bytes / GB)
-
-
-def _fetch_all(config: DeployConfig, snapshot: RepoSnapshot, needed: int) -> None:
-    """One fetch task per file, max_parallel_downloads at once, small files first (cheap early failures)."""
-    logger = get_run_logger()
-    progress = FetchProgress(snapshot.total_bytes, snapshot.total_bytes - needed, config.repo_id)
-    started = time.perf_counter()
-    with ThreadPoolTaskRunner(max_workers=config.max_parallel_downloads) as downloads:
-        futures = [downloads.submit(fetch, {"snapshot": snapshot, "file": f, "cache_dir": config.cache_dir,
-                                            "endpoint": config.hub_endpoint, "on_bytes": progress.add,
-                                            "mirror": config.mirror_endpoint})
-                   for f in sorted(snapshot.files, key=lambda f: f.size)]
-        wait(futures)
-        results = [future.result() for future in futures]  # raises the first failed fetch with its own message
-    wall_s = time.perf_counter() - started
-    progress.finish()
-    record_revision(snapshot, config.cache_dir)
-    publish_fetch(results, wall_s, config.repo_id)
-    downloaded = sum(r.downloaded for r in results)
-    if downloaded:
-        logger.info("fetched %.2f GB in %.1f s (%.1f MB/s)", downloaded / GB, wall_s, downloaded / 1e6 / wall_s)
-    else:
-        logger.info("all %d files already in the cache at %s: nothing fetched", len(results), snapshot.commit[:12])
+__all__ = ["DeployConfig", "DeployResult", "PreparedModel", "deploy_model", "restore_last_good"]
 
 
 def _reap_server(flow, flow_run, state) -> None:
@@ -178,22 +104,62 @@ def _reap_server(flow, flow_run, state) -> None:
 def deploy_model(config: DeployConfig) -> DeployResult:
     """Fetch and check the model while the current one still serves, then swap servers; a failure
     after the swap brings the last good deployment back. However it ends, the run's summary says how."""
-    summary = DeploySummary(config.repo_id, config.revision)
+    result, report = _deploy(config)
     try:
-        result = _deploy(config, summary)
-    except BaseException as err:  # SIGTERM, Ctrl-C and a cancel too: the summary says how it ended
-        try:
-            summary.publish(err)
-            if summary.rollback is not None:
-                emit_rolled_back(config.repo_id, summary.verdict(err))  # the automation tells a person
-        except Exception as lost:  # the API may be going away with the process: the error stands
-            get_run_logger().warning("the run's summary was not published: %s", first_line(lost))
-        raise
-    summary.publish()
+        publish_deploy_summary(report)
+        if report.restored is not None:
+            emit_rolled_back(config.repo_id, report.verdict())  # the automation tells a person
+    except Exception as lost:
+        if report.error is None:
+            raise
+        get_run_logger().warning("the run's summary was not published: %s", first_line(lost))  # the error stands
+    if report.error is not None:
+        raise report.error  # SIGTERM, Ctrl-C and a cancel too, after the summary said how the run ended
     return result
 
 
-def _deploy(config: DeployConfig, summary: DeploySummary) -> DeployResult:
+def _deploy(config: DeployConfig) -> tuple[DeployResult | None, DeployReport]:
+    """The pipeline's steps, and the run's one report built from what they returned, however far
+    they got; the error that stopped them goes in the report, to be raised once it is published."""
+    report = DeployReport(config.repo_id, config.revision, keep_serving=config.keep_serving)
+    previous = prepared = None
+    try:
+        config = _with_tuned_settings(config)
+        with host_lock(run_dir=config.run_dir):  # first: reaping a "stale" server is safe only when no deploy runs
+            previous = _claim_host(config)  # keeps serving while the new model comes in
+            with warming_option_table(config.run_dir):  # a bad flag is then refused in ms, not after a load
+                prepared = prepare_steps(config)
+                gpu = probe_gpus()
+                for warning in check_gpus(gpu, hardware_plan(config, prepared), config.repo_id):
+                    get_run_logger().warning("%s: %s", warning.rule, warning.message)
+            last_good = previous or read_last_good(config.run_dir)
+            last_run = comparable(last_good, config.repo_id)
+            same_weights = _check_files(config, prepared, last_good)
+            prewarm = None
+            if config.prewarm and previous is not None:  # nothing serves otherwise: vLLM's own load is as fast
+                prewarm = prewarm_model(prepared.model_dir, keep_warm=previous.model_dir,
+                                        margin_gb=config.prewarm_margin_gb).text()
+            report = replace(report, commit=prepared.commit, last_good=last_run, prewarm=prewarm)
+            served, restored = _swap(config, previous, prepared, server_config(config, prepared, gpu.platform),
+                                     gpu=gpu, last_run=last_run, same_weights=same_weights)
+            report = replace(report, previous_stopped=previous is not None, served=served, restored=restored,
+                             error=served.error)
+    except BaseException as err:  # SIGTERM, Ctrl-C and a cancel too: the summary says how the run ended
+        return None, replace(report, serving_before=_what(previous), commit=prepared.commit if prepared else None,
+                             error=err)
+    report = replace(report, serving_before=_what(previous))
+    if report.error is not None:
+        return None, report
+    return DeployResult(prepared=prepared, platform=gpu.platform, results=served.results, sweep_end=served.stop,
+                        record=served.record, base_url=report.base_url), report
+
+
+def _what(deployment: LastGood | None) -> str | None:
+    return f"{deployment.repo_id}@{deployment.commit[:12]}" if deployment else None
+
+
+def _with_tuned_settings(config: DeployConfig) -> DeployConfig:
+    """The settings a tune run promoted on this host, where they apply."""
     logger = get_run_logger()
     tuned = read_tuned(config.run_dir, config.repo_id) if config.use_tuned else None
     if tuned is not None and config.followers:
@@ -204,83 +170,82 @@ def _deploy(config: DeployConfig, summary: DeploySummary) -> DeployResult:
     elif tuned is not None:
         logger.info("serving with the settings a tune run promoted on %s: %s", f"{tuned.time:%Y-%m-%d %H:%M}",
                     tuned.candidate)
-        config = config.model_copy(update={"vllm": tuned.settings})
-    with host_lock(run_dir=config.run_dir):  # first: reaping a "stale" server is only safe when no other deploy runs
-        if config.take_over and (stopped := take_over(config.run_dir)):
-            logger.warning("took over the host: damaged records set aside, vLLM process groups %s stopped", stopped)
-        check_state_files(config.run_dir)
-        if (crashed := mark_crashed(abandoned_swap(config.run_dir))) is not None:
-            logger.warning("flow run %s died mid-swap; marked Crashed", crashed)
-        if serving_headless(config.run_dir / "server.json"):
-            raise HostBusyError("this host runs a secondary node of a multi-node group led from another host: "
-                                "deploy on the leader, or run this host's join-group with leave first")
-        previous = serving_deployment(config.run_dir)  # keeps serving while the new model comes in
-        if previous is None and (stale := reap_stale(config.run_dir / "server.json")) is not None:
-            logger.warning("stopped vLLM process group %d left by an earlier run", stale)
-        summary.serving_before = f"{previous.repo_id}@{previous.commit[:12]}" if previous else None
-        with warming_option_table(config.run_dir):  # a bad flag is then refused in ms, not after a load
-            prepared = prepare_steps(config)
-            summary.commit = prepared.commit
-            gpu = probe_gpus()
-            for warning in check_gpus(gpu, hardware_plan(config, prepared), config.repo_id):
-                logger.warning("%s: %s", warning.rule, warning.message)
-        server = server_config(config, prepared, gpu.platform)
-        last_good = previous or read_last_good(config.run_dir)
-        summary.last_good = comparable(last_good, config.repo_id)
-        same_weights = _check_files(config, prepared, last_good)
-        if config.prewarm and previous is not None:  # nothing serves otherwise: vLLM's own load is as fast
-            summary.prewarm = prewarm_model(prepared.model_dir, keep_warm=previous.model_dir,
-                                            margin_gb=config.prewarm_margin_gb).text()
-        # From here until a server is promoted or restored, a guard outlives this process: if it dies
-        # (kill -9), the unchecked server is stopped and the last good one brought back.
-        begin_swap(config.run_dir, what=f"{config.repo_id}@{prepared.commit[:12]}", models_root=config.models_root,
-                   flow_run_id=str(flow_run.get_id() or "") or None)
-        old_pgid = previous.serving_pgid if previous else None
-        try:
-            # A client's view of the swap: one-token completions every 0.5 s to whatever server the
-            # host records, from before the old one stops until the next one answers.
-            with GapProbe(config.run_dir / "server.json", api_key=secret(config.api_key_secret)) as probe:
+        return config.model_copy(update={"vllm": tuned.settings})
+    return config
 
+
+def _claim_host(config: DeployConfig) -> LastGood | None:
+    """With the host lock held: damaged records refused (or set aside on --take-over), a swap that
+    died marked Crashed, a stale server reaped. Returns the deployment serving now, if any."""
+    logger = get_run_logger()
+    if config.take_over and (stopped := take_over(config.run_dir)):
+        logger.warning("took over the host: damaged records set aside, vLLM process groups %s stopped", stopped)
+    check_state_files(config.run_dir)
+    if (crashed := mark_crashed(abandoned_swap(config.run_dir))) is not None:
+        logger.warning("flow run %s died mid-swap; marked Crashed", crashed)
+    if serving_headless(config.run_dir / "server.json"):
+        raise HostBusyError("this host runs a secondary node of a multi-node group led from another host: "
+                            "deploy on the leader, or run this host's join-group with leave first")
+    previous = serving_deployment(config.run_dir)
+    if previous is None and (stale := reap_stale(config.run_dir / "server.json")) is not None:
+        logger.warning("stopped vLLM process group %d left by an earlier run", stale)
+    return previous
+
+
+def _swap(config: DeployConfig, previous: LastGood | None, prepared: PreparedModel, server: ServerConfig, *,
+          gpu: GpuProbe, last_run: RunRecord | None, same_weights: bool) -> tuple[Served, Restored | None]:
+    """Stop the old server, start, check and sweep the new one, and promote it; a failure after the
+    stop brings the last good one back. A guard outlives this process from the first step: if it dies
+    (kill -9), the unchecked server is stopped and the last good one brought back."""
+    logger = get_run_logger()
+    begin_swap(config.run_dir, what=f"{config.repo_id}@{prepared.commit[:12]}", models_root=config.models_root,
+               flow_run_id=str(flow_run.get_id() or "") or None)
+    old_pgid = previous.serving_pgid if previous else None
+    try:
+        # A client's view of the swap: one-token completions every 0.5 s to whatever server the
+        # host records, from before the old one stops until the next one answers.
+        with GapProbe(config.run_dir / "server.json", api_key=secret(config.api_key_secret)) as probe:
+
+            def swap_gap(new_pgid: int | None) -> Unavailability | None:
                 if old_pgid is None:
-                    probe.pause()  # nothing served before: no gap to measure, and no load to add
+                    return None
+                if new_pgid is not None:
+                    probe.wait_for_answer(new_pgid)
+                gap = probe.gap(old_pgid=old_pgid, new_pgid=new_pgid)
+                probe.pause()  # until a failure needs the restore's first answer
+                return gap
 
-                def swap_gap(new_pgid: int | None) -> Unavailability | None:
-                    if old_pgid is None:
-                        return None
-                    if new_pgid is not None:
-                        probe.wait_for_answer(new_pgid)
-                    summary.unavailable = probe.gap(old_pgid=old_pgid, new_pgid=new_pgid)
-                    probe.pause()  # until a failure needs the restore's first answer
-                    return summary.unavailable
-
-                if previous is not None:  # from here a failure restores it
-                    probe.wait_for_answer(old_pgid)  # the old server's last answer is the gap's start
-                    stop_serving(config.run_dir, summary.serving_before)
-                    _group(_left_behind(previous, config), "leave")
-                    summary.previous_stopped = True
-                try:
-                    _group(config.group_members(), "join")  # the leader waits for every rank at start-up
-                    handle, record, rows, stop = _serve_and_bench(config, prepared, gpu, server, summary,
-                                                                  same_weights=same_weights, swap_gap=swap_gap)
-                except BaseException as err:  # SIGTERM and Ctrl-C too: the host must not be left serving nothing
-                    try:
-                        _group(config.group_members(), "leave")
-                    except Exception as left:  # a node that cannot leave must not keep the last good one down
-                        logger.warning("the new group's secondary nodes did not all stop: %s", first_line(left))
-                    if previous is not None:
-                        probe.resume()
-                        summary.rollback, summary.rollback_failed = restore_last_good(
-                            previous, run_dir=config.run_dir, startup_timeout_s=config.startup_timeout_s,
-                            why=f"the new deployment failed after the old server was stopped: `{first_line(err)}`")
-                        restored = read_last_good(config.run_dir)
-                        swap_gap(None if summary.rollback_failed or restored is None else restored.serving_pgid)
-                    raise
-            promote_last_good(config.run_dir, deployment_record(config, prepared, handle, server, record))
-        finally:
-            end_swap(config.run_dir)
-        summary.base_url = handle.base_url if config.keep_serving else None
-    return DeployResult(prepared=prepared, platform=gpu.platform, results=rows, sweep_end=stop, record=record,
-                        base_url=summary.base_url)
+            if previous is None:
+                probe.pause()  # nothing served before: no gap to measure, and no load to add
+            else:  # from here a failure restores it
+                probe.wait_for_answer(old_pgid)  # the old server's last answer is the gap's start
+                stop_serving(config.run_dir, _what(previous))
+                _group(_left_behind(previous, config), "leave")
+            try:
+                _group(config.group_members(), "join")  # the leader waits for every rank at start-up
+                served = _serve_and_bench(config, prepared, gpu, server, last_run=last_run,
+                                          same_weights=same_weights, swap_gap=swap_gap)
+            except BaseException as err:  # a start that failed: nothing was served
+                served = Served(error=err)
+            if served.error is None:
+                promote_last_good(config.run_dir, deployment_record(config, prepared, served.handle, server,
+                                                                    served.record))
+                return served, None
+            try:  # SIGTERM and Ctrl-C too: the host must not be left serving nothing
+                _group(config.group_members(), "leave")
+            except Exception as left:  # a node that cannot leave must not keep the last good one down
+                logger.warning("the new group's secondary nodes did not all stop: %s", first_line(left))
+            if previous is None:
+                return served, None
+            probe.resume()
+            what, failed = restore_last_good(
+                previous, run_dir=config.run_dir, startup_timeout_s=config.startup_timeout_s,
+                why=f"the new deployment failed after the old server was stopped: `{first_line(served.error)}`")
+            restored = read_last_good(config.run_dir)
+            return served, Restored(what=what, failed=failed, unavailable=swap_gap(
+                None if failed or restored is None else restored.serving_pgid))
+    finally:
+        end_swap(config.run_dir)
 
 
 def _check_files(config: DeployConfig, prepared: PreparedModel, last_good: LastGood | None) -> bool:
@@ -300,23 +265,24 @@ def _check_files(config: DeployConfig, prepared: PreparedModel, last_good: LastG
     return comparison.same_weights
 
 
-def _serve_and_bench(config: DeployConfig, prepared: PreparedModel, gpu: GpuProbe, server: ServerConfig,
-                     summary: DeploySummary, *, same_weights: bool,
-                     swap_gap) -> tuple[ServerHandle, RunRecord, list[LevelResult], str | None]:
-    """Start (readiness includes a real token), check its answers, sweep, publish, compare; wrong
-    answers or a regression raise, with the run in the history either way."""
+def _serve_and_bench(config: DeployConfig, prepared: PreparedModel, gpu: GpuProbe, server: ServerConfig, *,
+                     last_run: RunRecord | None, same_weights: bool,
+                     swap_gap: Callable[[int | None], Unavailability | None]) -> Served:
+    """Start (readiness includes a real token), check its answers, sweep, publish, compare. Wrong
+    answers or a regression end it with the run in the history either way; what stopped it is the
+    result's `error`, the server stopped. A start that fails raises."""
     logger = get_run_logger()
-    last_run = summary.last_good
     handle, facts = start_vllm(server, config.run_dir, config.startup_timeout_s, config.api_key_secret,
                                config.repo_id, last_good_startup=last_run.startup if last_run else None)
-    if slow := slow_start(facts.phases, last_run.startup if last_run else None):
-        logger.warning("slow start: %s", slow)
-        summary.slow_start = slow
-    gap = swap_gap(handle.pgid)  # ends at the new server's first answer to a client, if it is promoted
+    served = Served(handle=handle, slow_start=slow_start(facts.phases, last_run.startup if last_run else None))
+    if served.slow_start:
+        logger.warning("slow start: %s", served.slow_start)
+    served = replace(served, unavailable=swap_gap(handle.pgid))  # ends at the new server's first answer to a client
 
     def record_of(rows: list[LevelResult], answers: AnswerBaseline | None, *, promoted: bool = True) -> RunRecord:
         """The run's history record; the swap's gap only where this server goes on serving (a failed
         one's gap ends at the restored server's answer: the summary has it)."""
+        gap = served.unavailable
         return run_record(rows, config.repo_id, config.revision, prepared.commit, platform_label(gpu),
                           facts.vllm_version, parallelism(config.vllm), str(flow_run.get_id() or "") or None,
                           answers, config.bench.load, gap.seconds if gap and promoted else None,
@@ -324,7 +290,7 @@ def _serve_and_bench(config: DeployConfig, prepared: PreparedModel, gpu: GpuProb
 
     try:
         logger.info("vLLM ready at %s after %.0f s", handle.base_url, handle.startup_s)
-        summary.facts = bench_facts(config, prepared, gpu, facts)
+        served = replace(served, facts=bench_facts(config, prepared, gpu, facts))
         answers = None
         if config.answers.enabled:
             report = answer_check(handle.base_url, server.served_model_name, config.answers,
@@ -336,38 +302,39 @@ def _serve_and_bench(config: DeployConfig, prepared: PreparedModel, gpu: GpuProb
             answers = report.baseline
             if not report.passed:
                 why = "; ".join(report.problems)
-                summary.record = publish_record(record_of([], answers, promoted=False).model_copy(
-                    update={"status": "failed", "note": why}))
+                served = replace(served, record=publish_record(record_of([], answers, promoted=False).model_copy(
+                    update={"status": "failed", "note": why})))
                 raise AnswerCheckFailed(f"{config.repo_id}@{prepared.commit[:12]}: {why}")
             logger.info("answer check passed: %.0f%% of %d probes right", 100 * report.accuracy, len(report.results))
-        summary.results_dir = (config.run_dir / "bench" / model_slug(config.repo_id)
-                               / datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ"))
+        results_dir = (config.run_dir / "bench" / model_slug(config.repo_id)
+                       / datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ"))
+        served = replace(served, results_dir=results_dir)
         vocab, stops, gpus = vocab_size(prepared.model_dir), [], gpus_used(gpu, config.vllm)
         rows = sweep(config.bench, lambda c: bench_level(handle.base_url, server.served_model_name, config.bench, c,
                                                          vocab, prepared.model_dir, handle.api_key,
-                                                         summary.results_dir, gpus),
+                                                         results_dir, gpus),
                      stops.append)
         for reason in stops:
             logger.info("%s; the sweep stops", reason)
-        summary.results, summary.stop = rows, stops[0] if stops else None
-        publish_results(rows, config.repo_id, summary.facts, summary.results_dir, summary.stop, gpus)
+        served = replace(served, results=rows, stop=stops[0] if stops else None)
+        publish_results(rows, config.repo_id, served.facts, results_dir, served.stop, gpus)
         if failed := unusable_level(rows):
             why = f"every request failed at concurrency {failed.concurrency}: {failed.first_error}"
-            summary.record = publish_record(record_of(rows, answers, promoted=False).model_copy(
-                update={"status": "failed", "note": why}))
+            served = replace(served, record=publish_record(record_of(rows, answers, promoted=False).model_copy(
+                update={"status": "failed", "note": why})))
             raise BenchmarkFailed(f"{config.repo_id}@{prepared.commit[:12]}: {why}")
         record = check_regression(last_run, record_of(rows, answers), config.max_regression)
         if record.status == "regressed":
             record = record.model_copy(update={"unavailable_s": None})  # it will not go on serving
-        record = summary.record = publish_record(record)
-        if record.status == "regressed":
-            raise RegressionError(f"{config.repo_id}@{prepared.commit[:12]} {record.note}")
-    except BaseException:
+        served = replace(served, record=publish_record(record))
+        if served.record.status == "regressed":
+            raise RegressionError(f"{config.repo_id}@{prepared.commit[:12]} {served.record.note}")
+    except BaseException as err:
         stop_server(handle)  # not a task: on cancellation the run may create no more task runs
-        raise
+        return replace(served, error=err)
     if not config.keep_serving:
         stop_vllm(handle)
-    return handle, record, rows, summary.stop
+    return served
 
 
 def _group(members: list[tuple[str, DeployConfig]], action: str) -> None:

@@ -8,7 +8,7 @@ then waits for every rank, and its readiness checks that it reports them all.
 # No `from __future__ import annotations`: Prefect builds the parameter form from real annotations.
 from prefect import flow, get_run_logger
 
-from flows.deploy import prepare_steps
+from flows.prepare import prepare_steps
 from tasks.deployment.config import DeployConfig
 from tasks.deployment.stages import server_config
 from tasks.history.last_good import serving_deployment

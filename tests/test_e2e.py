@@ -13,7 +13,8 @@ from fake_nvml import FakeNvml
 
 import tasks.deployment.stages
 from flows.demo import BF16_REPO, demo_config, run_demo
-from flows.deploy import deploy_model, prepare_model
+from flows.deploy import deploy_model
+from flows.prepare import prepare_model
 from tasks.bench.sweep import knee
 from tasks.errors import CheckpointError, DiskSpaceError, GpuConfigError, HostBusyError, HubError, ServerStartError
 from tasks.history.last_good import LastGood, write_last_good

@@ -19,7 +19,7 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFi
 from prefect.logging.handlers import APILogWorker
 
 from flows.demo import BF16_REPO, demo_config
-from flows.deploy import prepare_model
+from flows.prepare import prepare_model
 from tasks.disk import GB, inventory, measure
 from tasks.errors import DiskSpaceError
 from tasks.hub import PART_SUFFIX
@@ -109,7 +109,7 @@ _PREPARE_IN_CHILD = """
 import sys
 from pathlib import Path
 from flows.demo import demo_config
-from flows.deploy import prepare_model
+from flows.prepare import prepare_model
 prepare_model(demo_config(sys.argv[1], Path(sys.argv[2])))
 """
 

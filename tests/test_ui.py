@@ -37,7 +37,8 @@ RUNS = textwrap.dedent("""
     from pathlib import Path
     from flows.compare import CompareConfig, compare_runs
     from flows.demo import INT4_REPO, demo_config
-    from flows.deploy import deploy_model, prepare_model
+    from flows.deploy import deploy_model
+    from flows.prepare import prepare_model
     endpoint, models = sys.argv[1], Path(sys.argv[2])
     prepare_model(demo_config(endpoint, models, repo_id=INT4_REPO))
     deploy_model(demo_config(endpoint, models, concurrency_levels=[1, 2, 4], level_duration_s=2.0, max_regression=None))

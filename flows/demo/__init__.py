@@ -72,7 +72,8 @@ def demo_config(endpoint: str, models_root: Path, **overrides):
 def run_demo(work_dir: Path, say=lambda line: None):
     """Returns (INT4 PreparedModel, bf16 DeployResult)."""
     from flows.demo.hub_server import LocalHub  # here: `python -m flows.demo.hub_server` imports this package first
-    from flows.deploy import deploy_model, prepare_model
+    from flows.deploy import deploy_model
+    from flows.prepare import prepare_model
 
     hub_root = work_dir / "hub"
     build_demo_repos(hub_root, say)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 
 import pandas as pd
@@ -21,6 +22,17 @@ FLAG_MEANINGS = {
     "no-steady-state": "the level was too short for a measurement window (all its requests were sent at once), so "
                        "its figures include the fill and the drain: raise level_duration_s or requests_per_level",
 }
+
+
+def markdown_table(df: pd.DataFrame) -> str:
+    """A table for a markdown artifact: a missing value is a dash, not `nan`."""
+    return df.astype(object).where(df.notna(), None).to_markdown(index=False, missingval="-")
+
+
+def png_data_uri(png: bytes) -> str:
+    """An image the Prefect UI shows: its markdown renderer loads `data:` images (checked in Chromium),
+    while a file:// link is refused and inline SVG renders black."""
+    return "data:image/png;base64," + base64.b64encode(png).decode()
 
 
 def bench_table(results: list[LevelResult]) -> pd.DataFrame:

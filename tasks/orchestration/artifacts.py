@@ -7,14 +7,12 @@ Prefect keeps every version of a key, so a model's runs line up under the same k
 
 from __future__ import annotations
 
-import base64
 import json
 import math
 import re
 import shlex
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
@@ -27,11 +25,13 @@ from prefect.artifacts import (
 
 from tasks.answers.check import AnswerReport, LoadedAnswers
 from tasks.answers.files import FilesComparison
-from tasks.bench.report import finding_lines, headline_table, with_interval
+from tasks.bench.report import headline_table, png_data_uri
+from tasks.bench.report import markdown_table as _markdown_table
 from tasks.bench.results import LevelResult
 from tasks.checkpoint.rules import ValidationReport
+from tasks.deployment.summary import DeployReport
 from tasks.disk import GB, DiskPlan, EvictionResult, plan_summary
-from tasks.errors import ServerStartError, failed_stage, first_line
+from tasks.errors import ServerStartError
 from tasks.findings import Violation
 from tasks.gpu import GpuProbe, HardwarePlan
 from tasks.history.chart import history_chart
@@ -39,7 +39,6 @@ from tasks.history.runs import RunRecord, readable
 from tasks.host import host_name
 from tasks.hub import FetchResult
 from tasks.tuning.measure import CandidateResult
-from tasks.vllm.gap import Unavailability
 from tasks.vllm.readiness import PHASES, ServerFacts, slow_start
 
 HISTORY = "history-"
@@ -61,17 +60,6 @@ def ui_link(path: str) -> str:
 
 def run_link(flow_run_id: str | None, text: str) -> str:
     return f"[{text}]({ui_link(f'runs/flow-run/{flow_run_id}')})" if flow_run_id else text
-
-
-def _markdown_table(df: pd.DataFrame) -> str:
-    """A table for a markdown artifact: a missing value is a dash, not `nan`."""
-    return df.astype(object).where(df.notna(), None).to_markdown(index=False, missingval="-")
-
-
-def png_data_uri(png: bytes) -> str:
-    """An image the Prefect UI shows: its markdown renderer loads `data:` images (checked in Chromium),
-    while a file:// link is refused and inline SVG renders black."""
-    return "data:image/png;base64," + base64.b64encode(png).decode()
 
 
 def json_value(value):
@@ -388,119 +376,15 @@ def _artifact_links(flow_run_id: str, skip: str) -> list[str]:
     return sorted(links.values())
 
 
-def _change(now: float | None, before: float | None) -> str:
-    return f"{now / before - 1:+.1%}" if now is not None and before else "-"
+def publish_deploy_summary(report: DeployReport) -> None:
+    """`deploy-<model>` on the run itself, however it ended, rendered from the run's one report."""
+    from prefect.runtime import flow_run
 
-
-def _figures(record: RunRecord, last: RunRecord | None, knee_flags: str) -> list[str]:
-    """The key figures beside the last good run's, with the change; ± is the 95% interval's half-width.
-    A knee at a flagged level says so: its figure is not the server's alone."""
-    def answers(r: RunRecord | None, what: str) -> float | None:
-        return getattr(r.answers, what) if r and r.answers else None
-
-    def pct(value: float | None) -> str:
-        return "-" if value is None else f"{value:.0%}"
-
-    def sig(value: float | None) -> str:
-        return "-" if value is None else f"{value:.3g}"
-
-    rows = [("single stream, output tok/s", with_interval(record.single_stream_tok_s, record.single_stream_ci),
-             with_interval(last.single_stream_tok_s, last.single_stream_ci) if last else "-",
-             _change(record.single_stream_tok_s, last.single_stream_tok_s if last else None)),
-            ("peak (knee), output tok/s", with_interval(record.peak_tok_s, record.peak_ci)
-             + (f" at c={record.knee_concurrency}" if record.knee_concurrency else "")
-             + (f" ({knee_flags})" if knee_flags else ""),
-             (with_interval(last.peak_tok_s, last.peak_ci)
-              + (f" at c={last.knee_concurrency}" if last.knee_concurrency else ""))
-             if last else "-", _change(record.peak_tok_s, last.peak_tok_s if last else None)),
-            ("p99 TTFT at the knee, ms", with_interval(record.p99_ttft_ms, record.p99_ttft_ci),
-             with_interval(last.p99_ttft_ms, last.p99_ttft_ci) if last else "-",
-             _change(record.p99_ttft_ms, last.p99_ttft_ms if last else None)),
-            ("answer accuracy", pct(answers(record, "accuracy")), pct(answers(last, "accuracy")),
-             _change(answers(record, "accuracy"), answers(last, "accuracy"))),
-            ("perplexity of the reference text", sig(answers(record, "perplexity")), sig(answers(last, "perplexity")),
-             _change(answers(record, "perplexity"), answers(last, "perplexity")))]
-    head = run_link(last.flow_run_id, f"last good ({last.commit[:12]})") if last else "last good (none)"
-    return [f"| figure | this run | {head} | change |", "|---|---|---|---|",
-            *[f"| {' | '.join(row)} |" for row in rows]]
-
-
-@dataclass
-class DeploySummary:
-    """What a deploy run has learned so far, published as `deploy-<model>` on the run itself however
-    the run ends: the verdict in its first line, then the figures, the chart and links to the rest."""
-
-    repo_id: str
-    revision: str
-    commit: str | None = None
-    serving_before: str | None = None  # "repo@commit" of what served when the run began
-    previous_stopped: bool = False
-    last_good: RunRecord | None = None  # the run this one is compared with
-    record: RunRecord | None = None
-    results: list[LevelResult] = field(default_factory=list)
-    stop: str | None = None
-    facts: dict[str, str] = field(default_factory=dict)
-    results_dir: Path | None = None  # the sweep's files: chart.png, results.csv, one JSON per level
-    base_url: str | None = None
-    rollback: str | None = None  # what the rollback brought back, or why it could not
-    rollback_failed: bool = False
-    unavailable: Unavailability | None = None  # the swap's gap as the probe saw it; None: nothing served before
-    slow_start: str | None = None  # a start much slower than the last good one's, in words
-    prewarm: str | None = None  # what was read into the page cache before the old server stopped
-
-    @property
-    def what(self) -> str:
-        return f"{self.repo_id}@{(self.commit or self.revision)[:12]}"
-
-    def verdict(self, err: BaseException | None) -> str:
-        """Serving, rolled back, or failed at which stage, and why: the summary's first line."""
-        if err is None:
-            return (f"Serving: {self.what} passed its checks and serves at {self.base_url}" if self.base_url else
-                    f"Passed: {self.what} passed its checks, then stopped (keep_serving is off)")
-        why = f"failed at {failed_stage(err)}: {first_line(err)}"
-        if self.rollback_failed:
-            return f"Failed, and the rollback failed: {self.what} {why}. Nothing serves on this host"
-        if self.rollback is not None:
-            return f"Rolled back: {self.what} {why}. {self.rollback} serves again"
-        if self.serving_before and not self.previous_stopped:
-            return f"Failed: {self.what} {why}. {self.serving_before} keeps serving"
-        return f"Failed: {self.what} {why}. Nothing serves on this host"
-
-    def publish(self, err: BaseException | None = None) -> None:
-        from prefect.runtime import flow_run
-
-        verdict = self.verdict(err).replace("\n", " ")
-        lines = [f"# {verdict}", "", f"- **Host:** {host_name()}"]
-        lines += [f"- **{k}:** {v}" for k, v in self.facts.items()]
-        if self.slow_start:
-            lines.append(f"- **Slow start:** {self.slow_start}")
-        if self.prewarm:
-            lines.append(f"- **Before the swap:** {self.prewarm}")
-        if self.unavailable is not None:
-            was = self.last_good.unavailable_s if self.last_good else None
-            lines.append(f"- **Unavailable during the swap:** {self.unavailable.text()}"
-                         + (f" (last good deployment's swap: {was:.1f} s)" if was is not None else ""))
-        if self.record is not None:
-            knee = next((r for r in self.results if r.concurrency == self.record.knee_concurrency), None)
-            lines += ["", *_figures(self.record, self.last_good, knee.flags if knee else ""), ""]
-            if self.record.compared:
-                lines.append(f"- **Regression gate:** {self.record.compared}")
-        if self.results:
-            lines += finding_lines(self.results, self.stop)
-        chart = self.results_dir / "chart.png" if self.results_dir else None
-        if chart is not None and chart.exists():
-            lines += ["", f"![Throughput and latency against concurrency]({png_data_uri(chart.read_bytes())})"]
-        if self.results:
-            lines += ["", _markdown_table(headline_table(self.results)), "",
-                      f"± is the 95% interval. Every figure of every level, in vLLM's names: `{self.results_dir}` "
-                      "(results.csv, level-*.json) on the host."]
-        key = f"deploy-{model_slug(self.repo_id)}"
-        run_id = flow_run.get_id()
-        if run_id:
-            lines += ["", "## This run's artifacts", "", *_artifact_links(str(run_id), key)]
-        if self.last_good is not None and self.last_good.flow_run_id:
-            lines += ["", f"Previous good run: {run_link(self.last_good.flow_run_id, self.last_good.commit[:12])}"]
-        create_markdown_artifact(key=key, markdown="\n".join(lines), description=verdict[:250])
+    key = f"deploy-{model_slug(report.repo_id)}"
+    run_id = flow_run.get_id()
+    links = _artifact_links(str(run_id), key) if run_id else []
+    markdown = report.markdown(host=host_name(), run_link=run_link, artifact_links=links)
+    create_markdown_artifact(key=key, markdown=markdown, description=report.verdict().replace("\n", " ")[:250])
 
 
 # Tuning
