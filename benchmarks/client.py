@@ -41,7 +41,7 @@ def ours(base_url: str, streams: int, output_len: int, continuous_usage: bool) -
     """All requests at once, counted over the whole level, as the peer counts them."""
     spec = BenchSpec(input_len=16, output_len=output_len, requests_per_level=streams, level_duration_s=None,
                      continuous_usage=continuous_usage)
-    return run_level(base_url, "fake", spec, streams, vocab_size=1000).output_throughput
+    return run_level(base_url, "fake", spec, concurrency=streams, vocab_size=1000).output_throughput
 
 
 def vllm_bench(base_url: str, streams: int, output_len: int, tokenizer: Path, out: Path) -> float | str:

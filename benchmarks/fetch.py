@@ -61,7 +61,7 @@ def ours(endpoint: str, cache: Path, mirror: str | None = None) -> float:
     start = time.perf_counter()
     snap = resolve_snapshot(REPO, "main", endpoint)
     with ThreadPoolExecutor(WORKERS) as pool:
-        results = list(pool.map(lambda f: fetch_file(snap, f, cache, endpoint, mirror=mirror), snap.files))
+        results = list(pool.map(lambda f: fetch_file(snap, f, cache, endpoint=endpoint, mirror=mirror), snap.files))
     elapsed = time.perf_counter() - start
     assert sum(r.downloaded for r in results) == snap.total_bytes
     assert all(r.source == ("mirror" if mirror else "hub") for r in results)

@@ -49,7 +49,8 @@ STAGE = Group(DeployConfig, "Staging", only=("revision", "models_root", "hub_end
                                              "hf_token_secret", "disk_margin_gb", "evict", "pinned_models",
                                              "max_parallel_downloads"))
 FORM = Group(DeployConfig, "Deployment", skip=("repo_id", "vllm", "bench", "answers"))
-ENGINE = Group(VllmSettings, "vLLM engine", defaults=DeployConfig.model_fields["vllm"].get_default(call_default_factory=True))
+ENGINE = Group(VllmSettings, "vLLM engine",
+               defaults=DeployConfig.model_fields["vllm"].get_default(call_default_factory=True))
 LOAD = Group(BenchSpec, "Benchmark")
 ANSWERS = Group(AnswerSpec, "Answer check", prefix="answers_")
 
@@ -211,10 +212,11 @@ def demo(
 
 @app.command()
 def validate(
-    target: Annotated[str, typer.Argument(help="Local checkpoint directory, or a Hub repo id (read by range requests)")],
+    target: Annotated[str,
+                      typer.Argument(help="Local checkpoint directory, or a Hub repo id (read by range requests)")],
     revision: Annotated[str, typer.Option(help="Revision, for a repo id")] = "main",
     endpoint: Annotated[Optional[str], typer.Option(help="Hub URL, for a repo id; default HF_ENDPOINT")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON")] = False,
+    *, as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON")] = False,
 ) -> None:
     """Check a checkpoint's quantization config against its safetensors headers.
 
@@ -311,7 +313,7 @@ def bench(
     base_url: Annotated[str, typer.Option(help="OpenAI-compatible server, e.g. http://gpu-host:8000")],
     model: Annotated[str, typer.Option(help="Model name as the server lists it in /v1/models")],
     max_concurrency: Annotated[Optional[int], typer.Option(help="Sweep 1, 2, 4, ... up to this instead")] = None,
-    tokenizer: Annotated[Optional[Path], typer.Option(help="Tokenizer folder, for chat prompts")] = None,
+    *, tokenizer: Annotated[Optional[Path], typer.Option(help="Tokenizer folder, for chat prompts")] = None,
     vocab_size: Annotated[Optional[int], typer.Option(help="Vocab size, for token-id prompts")] = None,
     results_dir: Annotated[Optional[Path], typer.Option(help="Default: bench-results/<model>-<time>")] = None,
     api_key: Annotated[Optional[str], typer.Option(envvar="OPENAI_API_KEY", help="Server API key")] = None,
@@ -337,7 +339,7 @@ def bench(
         spec = spec.model_copy(update={"token_id_prompts": False})
         typer.echo("no --vocab-size or --tokenizer: sending text prompts, input lengths from the server's usage counts")
     try:
-        level_prompts(spec, 1, vocab_size, tokenizer)
+        level_prompts(spec, 1, vocab_size, tokenizer=tokenizer)
     except BenchConfigError as exc:
         typer.echo(f"error: {exc} (--tokenizer, --vocab-size or --dataset)", err=True)
         raise typer.Exit(2)
@@ -355,7 +357,7 @@ def bench(
         typer.echo(f"error: --model {model!r} is not served at {base_url}; it serves {', '.join(served)}", err=True)
         raise typer.Exit(1)
     try:
-        probed = probe_prompts(base_url, model, spec, vocab_size, tokenizer, api_key)
+        probed = probe_prompts(base_url, model, spec, vocab_size=vocab_size, tokenizer=tokenizer, api_key=api_key)
     except BenchConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
@@ -365,7 +367,8 @@ def bench(
     out = results_dir or Path("bench-results") / f"{model_slug(model)}-{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}"
 
     def level(c: int) -> LevelResult:
-        row = run_level(base_url, model, spec, c, vocab_size, tokenizer, api_key, out)
+        row = run_level(base_url, model, spec, concurrency=c, vocab_size=vocab_size, tokenizer=tokenizer,
+                        api_key=api_key, results_dir=out)
         typer.echo(f"c={c}: {row.output_throughput:.1f} output tok/s, median TTFT {row.ttft.median or 0:.1f} ms"
                    + (f"  [{row.flags}]" if row.flags else ""))
         return row
@@ -373,7 +376,7 @@ def bench(
     stops: list[str] = []
     rows = sweep(spec, level, stops.append)
     facts = {"Server": base_url, "Load": spec.load}
-    save_results(rows, out, f"Benchmark of {model}", facts, stops[0] if stops else None)
+    save_results(rows, out, f"Benchmark of {model}", facts=facts, stop=stops[0] if stops else None)
     typer.echo("")
     _print_table(rows, stops[0] if stops else None)
     typer.echo(f"\nresults: {out}")
@@ -386,7 +389,7 @@ def history(
     threshold: Annotated[float, typer.Option(help="Fraction worse than the previous good run that is a regression")
                          ] = 0.1,
     wide: Annotated[bool, typer.Option(help="Also print vLLM version, GPUs, host and load")] = False,
-    host: Annotated[Optional[str], typer.Option(help="Only this host's runs (its ROLLOUT_HOST name)")] = None,
+    *, host: Annotated[Optional[str], typer.Option(help="Only this host's runs (its ROLLOUT_HOST name)")] = None,
 ) -> None:
     """Benchmarked deployments read back from Prefect's artifacts, oldest first; each compared with
     the previous good run of the same model on the same GPUs under the same load.
@@ -424,7 +427,7 @@ def tune(
     space: Annotated[Optional[Path], typer.Option(help="The candidate space, YAML or JSON (TuneSpace's fields); "
                                                        "default: the 8-GPU Kimi-K2.5 space")] = None,
     winner_rule: Annotated[str, typer.Option(help="peak or single-stream")] = "peak",
-    max_hours: Annotated[Optional[float], typer.Option(help="Stop measuring after this long")] = None,
+    *, max_hours: Annotated[Optional[float], typer.Option(help="Stop measuring after this long")] = None,
     promote: Annotated[bool, typer.Option(help="The winner's settings become this host's deployment settings")
                        ] = False,
     **options,

@@ -228,8 +228,8 @@ def _swap(config: DeployConfig, previous: LastGood | None, prepared: PreparedMod
             except BaseException as err:  # a start that failed: nothing was served
                 served = Served(error=err)
             if served.error is None:
-                promote_last_good(config.run_dir, deployment_record(config, prepared, served.handle, server,
-                                                                    served.record))
+                promote_last_good(config.run_dir, deployment_record(config, prepared, served.handle, server=server,
+                                                                    record=served.record))
                 return served, None
             try:  # SIGTERM and Ctrl-C too: the host must not be left serving nothing
                 _group(config.group_members(), "leave")
@@ -272,8 +272,8 @@ def _serve_and_bench(config: DeployConfig, prepared: PreparedModel, gpu: GpuProb
     answers or a regression end it with the run in the history either way; what stopped it is the
     result's `error`, the server stopped. A start that fails raises."""
     logger = get_run_logger()
-    handle, facts = start_vllm(server, config.run_dir, config.startup_timeout_s, config.api_key_secret,
-                               config.repo_id, last_good_startup=last_run.startup if last_run else None)
+    handle, facts = start_vllm(server, config.run_dir, config.startup_timeout_s, api_key_secret=config.api_key_secret,
+                               repo_id=config.repo_id, last_good_startup=last_run.startup if last_run else None)
     served = Served(handle=handle, slow_start=slow_start(facts.phases, last_run.startup if last_run else None))
     if served.slow_start:
         logger.warning("slow start: %s", served.slow_start)
@@ -283,14 +283,14 @@ def _serve_and_bench(config: DeployConfig, prepared: PreparedModel, gpu: GpuProb
         """The run's history record; the swap's gap only where this server goes on serving (a failed
         one's gap ends at the restored server's answer: the summary has it)."""
         gap = served.unavailable
-        return run_record(rows, config.repo_id, config.revision, prepared.commit, platform_label(gpu),
-                          facts.vllm_version, parallelism(config.vllm), str(flow_run.get_id() or "") or None,
-                          answers, config.bench.load, gap.seconds if gap and promoted else None,
-                          startup=facts.phases)
+        return run_record(rows, config.repo_id, config.revision, commit=prepared.commit, gpu=platform_label(gpu),
+                          vllm_version=facts.vllm_version, parallelism=parallelism(config.vllm),
+                          flow_run_id=str(flow_run.get_id() or "") or None, answers=answers, load=config.bench.load,
+                          unavailable_s=gap.seconds if gap and promoted else None, startup=facts.phases)
 
     try:
         logger.info("vLLM ready at %s after %.0f s", handle.base_url, handle.startup_s)
-        served = replace(served, facts=bench_facts(config, prepared, gpu, facts))
+        served = replace(served, facts=bench_facts(config, prepared, gpu, server=facts))
         answers = None
         if config.answers.enabled:
             report = answer_check(handle.base_url, server.served_model_name, config.answers,
@@ -310,14 +310,14 @@ def _serve_and_bench(config: DeployConfig, prepared: PreparedModel, gpu: GpuProb
                        / datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ"))
         served = replace(served, results_dir=results_dir)
         vocab, stops, gpus = vocab_size(prepared.model_dir), [], gpus_used(gpu, config.vllm)
-        rows = sweep(config.bench, lambda c: bench_level(handle.base_url, server.served_model_name, config.bench, c,
-                                                         vocab, prepared.model_dir, handle.api_key,
-                                                         results_dir, gpus),
+        rows = sweep(config.bench, lambda c: bench_level(handle.base_url, server.served_model_name, config.bench,
+                                                         concurrency=c, vocab_size=vocab, tokenizer=prepared.model_dir,
+                                                         api_key=handle.api_key, results_dir=results_dir, gpus=gpus),
                      stops.append)
         for reason in stops:
             logger.info("%s; the sweep stops", reason)
         served = replace(served, results=rows, stop=stops[0] if stops else None)
-        publish_results(rows, config.repo_id, served.facts, results_dir, served.stop, gpus)
+        publish_results(rows, config.repo_id, served.facts, results_dir=results_dir, stop=served.stop, gpus=gpus)
         if failed := unusable_level(rows):
             why = f"every request failed at concurrency {failed.concurrency}: {failed.first_error}"
             served = replace(served, record=publish_record(record_of(rows, answers, promoted=False).model_copy(
@@ -370,14 +370,15 @@ def restore_last_good(previous: LastGood, *, run_dir: Path, startup_timeout_s: f
     try:
         _group(_recorded_group(previous), "join")
         handle, _ = start_vllm.with_options(task_run_name="restart last good")(
-            previous.server, run_dir, startup_timeout_s, previous.api_key_secret, previous.repo_id, "-rollback")
+            previous.server, run_dir, startup_timeout_s, api_key_secret=previous.api_key_secret,
+            repo_id=previous.repo_id, failure_suffix="-rollback")
     except Exception as err:
         publish_rollback(previous.repo_id, what, why,
-                         f"**Rollback failed:** `{first_line(err)}`. Nothing serves on this host now.")
+                         outcome=f"**Rollback failed:** `{first_line(err)}`. Nothing serves on this host now.")
         logger.error("rollback to %s failed: %s", what, first_line(err))
         return first_line(err), True
     write_last_good(run_dir, previous.model_copy(update={"serving_pgid": handle.pgid}))
-    publish_rollback(previous.repo_id, what, why, (
+    publish_rollback(previous.repo_id, what, why, outcome=(
         f"**Serving again:** `{previous.server.served_model_name}` ({what}) at {handle.base_url}, "
         f"ready in {handle.startup_s:.0f} s.\n\n{command_block(handle.command)}\n"))
     logger.warning("rolled back: %s serves again at %s", what, handle.base_url)

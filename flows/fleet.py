@@ -35,14 +35,14 @@ def fleet_rollout(config: FleetConfig) -> list[HostOutcome]:
     for wave, hosts in enumerate(config.waves(), start=1):
         mirror = canary.mirror if wave > 1 else None
         logger.info("wave %d: %s", wave, ", ".join(h.name for h in hosts))
-        futures = [deploy_on_host.submit(host, wave, config.host_config(host, commit, mirror), config.pickup_deadline_s)
-                   for host in hosts]
+        futures = [deploy_on_host.submit(host, wave, config.host_config(host, commit, mirror),
+                                         pickup_deadline_s=config.pickup_deadline_s) for host in hosts]
         outcomes += [future.result() for future in futures]
         if not all(o.serving for o in outcomes):
             break
-    said = verdict(deploy.repo_id, commit, config.hosts, outcomes)
-    publish_fleet(deploy.repo_id, commit, said, fleet_rows(outcomes, config.hosts, config.outlier_slowdown),
-                  canary.mirror if len(config.hosts) > 1 else None)
+    said = verdict(deploy.repo_id, commit, config.hosts, outcomes=outcomes)
+    publish_fleet(deploy.repo_id, commit, said, rows=fleet_rows(outcomes, config.hosts, config.outlier_slowdown),
+                  mirror=canary.mirror if len(config.hosts) > 1 else None)
     logger.info(said)
     if not all(o.serving for o in outcomes):
         raise FleetRolloutFailed(said)

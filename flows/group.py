@@ -34,7 +34,8 @@ def join_group(config: DeployConfig, leave: bool = False) -> str:
             logger.info("left the group: nothing of it runs on this host")
             return "left"
         server = server_config(config, prepared, gpu.platform).model_copy(update={"headless": True})
-        handle, _ = start_vllm(server, config.run_dir, config.startup_timeout_s, None, config.repo_id)
+        handle, _ = start_vllm(server, config.run_dir, config.startup_timeout_s, api_key_secret=None,
+                               repo_id=config.repo_id)
         logger.info("ranks launched in %.0f s; the leader at %s waits for them", handle.startup_s,
                     config.vllm.master_addr or config.vllm.data_parallel_address)
     return "joined"

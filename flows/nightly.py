@@ -30,7 +30,7 @@ def nightly_refresh(config: DeployConfig) -> str:
             snapshot = resolve_revision(repo, revision, config.hub_endpoint)
     except HubUnreachable as err:
         publish_nightly(repo, revision, "Hub unreachable: nothing changed on this host",
-                        f"**Hub unreachable:** {err}\n\nNothing was downloaded or restarted; what served keeps "
+                        body=f"**Hub unreachable:** {err}\n\nNothing was downloaded or restarted; what served keeps "
                         "serving.")
         raise
     commit = snapshot.commit
@@ -38,14 +38,14 @@ def nightly_refresh(config: DeployConfig) -> str:
     last = read_last_good(config.run_dir)
     if last is not None and last.repo_id == repo and last.commit == commit:
         publish_nightly(repo, revision, f"No change: {revision} is still {commit[:12]}, the last good deployment",
-                        f"**No change:** `{revision}` is still commit `{commit}`, the last good deployment on "
+                        body=f"**No change:** `{revision}` is still commit `{commit}`, the last good deployment on "
                         f"this host (`{last.model_dir}`). Nothing downloaded, nothing restarted.")
         logger.info("%s@%s is still %s: nothing to do", repo, revision, commit[:12])
         return "no-change"
     if serving_headless(config.run_dir / "server.json"):  # its GPUs belong to a group led from another host
         publish_nightly(repo, revision, "Skipped: this host serves as a secondary node of a multi-node group",
-                        f"**Skipped:** `{revision}` is commit `{commit}`, but this host's GPUs run a secondary node "
-                        "of a multi-node group led from another host; the leader's deploy moves the group.")
+                        body=f"**Skipped:** `{revision}` is commit `{commit}`, but this host's GPUs run a secondary "
+                        "node of a multi-node group led from another host; the leader's deploy moves the group.")
         logger.info("this host is a secondary node of a multi-node group: nothing to do here")
         return "in-group"
     was = f"`{last.repo_id}@{last.commit}`" if last else "nothing recorded"
@@ -55,10 +55,10 @@ def nightly_refresh(config: DeployConfig) -> str:
     except Exception as err:
         serving = serving_deployment(config.run_dir)
         publish_nightly(repo, revision, f"Failed: {repo}@{commit[:12]} did not deploy: {first_line(err)}",
-                        f"**Failed:** commit `{commit}` did not deploy: `{first_line(err)}`.\n\n"
+                        body=f"**Failed:** commit `{commit}` did not deploy: `{first_line(err)}`.\n\n"
                         + (f"**Serving:** the last good deployment, `{serving.repo_id}@{serving.commit}`." if serving
-                           else "**Serving:** nothing on this host."), child_run_id())
+                           else "**Serving:** nothing on this host."), deploy_run_id=child_run_id())
         raise
     publish_nightly(repo, revision, f"Deployed: {repo}@{commit[:12]} serves",
-                    f"**Deployed:** commit `{commit}` (last good before: {was}).", child_run_id())
+                    body=f"**Deployed:** commit `{commit}` (last good before: {was}).", deploy_run_id=child_run_id())
     return "deployed"

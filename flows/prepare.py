@@ -61,9 +61,10 @@ def _make_room(config: DeployConfig, snapshot: RepoSnapshot, needed: int) -> Non
     """Plan the disk (never the served, pinned or fallback model) and delete what the plan lists."""
     logger = get_run_logger()
     last_good = read_last_good(config.run_dir)
-    plan = plan_disk(config.models_root, needed, int(config.disk_margin_gb * GB), (snapshot.repo_id, snapshot.commit),
-                     served_model(config.run_dir / "server.json"), config.pinned_models,
-                     last_good.model_dir if last_good else None, not config.evict)
+    plan = plan_disk(config.models_root, needed, int(config.disk_margin_gb * GB),
+                     target=(snapshot.repo_id, snapshot.commit), served=served_model(config.run_dir / "server.json"),
+                     pinned=config.pinned_models, fallback=last_good.model_dir if last_good else None,
+                     dry_run=not config.evict)
     for warning in plan.warnings:
         logger.warning(warning)
     if plan.evictions:

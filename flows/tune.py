@@ -77,7 +77,8 @@ def tune_model(config: TuneConfig) -> list[CandidateResult]:
                 for candidate in candidates(deploy.vllm, config.space):
                     form = deploy.model_copy(update={"vllm": candidate.settings})
                     server = server_config(form, prepared, gpu.platform)
-                    refused = check_candidate(candidate, gpu, hardware_plan(form, prepared), server, deploy.run_dir)
+                    refused = check_candidate(candidate, gpu, hardware_plan(form, prepared), server=server,
+                                              cache_dir=deploy.run_dir)
                     if refused is not None:
                         logger.info("%s: refused by %s in %.0f ms", candidate.name, refused.cause,
                                     refused.seconds * 1000)
@@ -98,15 +99,16 @@ def tune_model(config: TuneConfig) -> list[CandidateResult]:
                         probe.pause()
                         stop_serving(deploy.run_dir, f"{previous.repo_id}@{previous.commit[:12]}")
                         stopped = True
-                    results.append(measure_candidate(key, candidate, server, deploy.run_dir,
-                                                     deploy.startup_timeout_s, deploy.api_key_secret, deploy.answers,
-                                                     prepared.model_dir, deploy.bench, vocab, gpus))
+                    results.append(measure_candidate(
+                        key, candidate, server, run_dir=deploy.run_dir, timeout_s=deploy.startup_timeout_s,
+                        api_key_secret=deploy.api_key_secret, answers=deploy.answers, model_dir=prepared.model_dir,
+                        bench=deploy.bench, vocab_size=vocab, gpus=gpus))
             finally:
                 if stopped:  # the host serves what it served before the search
                     probe.resume()
                     handle, _ = start_vllm.with_options(task_run_name="restart last good")(
-                        previous.server, deploy.run_dir, deploy.startup_timeout_s, previous.api_key_secret,
-                        deploy.repo_id, "-after-tune")
+                        previous.server, deploy.run_dir, deploy.startup_timeout_s,
+                        api_key_secret=previous.api_key_secret, repo_id=deploy.repo_id, failure_suffix="-after-tune")
                     write_last_good(deploy.run_dir, previous.model_copy(update={"serving_pgid": handle.pgid}))
                     end_swap(deploy.run_dir)
                     probe.wait_for_answer(handle.pgid)
@@ -117,6 +119,6 @@ def tune_model(config: TuneConfig) -> list[CandidateResult]:
             write_tuned(deploy.run_dir, TunedSettings(repo_id=deploy.repo_id, settings=best.settings,
                                                       candidate=best.name, time=datetime.now(timezone.utc),
                                                       flow_run_id=str(flow_run.get_id() or "") or None))
-    logger.info(publish_tuning(deploy.repo_id, results, best, config.winner_rule, pareto_chart(results, best),
-                               config.promote))
+    logger.info(publish_tuning(deploy.repo_id, results, best, rule=config.winner_rule,
+                               chart=pareto_chart(results, best), promoted=config.promote))
     return results

@@ -149,7 +149,7 @@ def inventory(models_root: Path) -> list[StoredModel]:
     return models
 
 
-def plan_space(models_root: Path, needed_bytes: int, margin_bytes: int, target: tuple[str, str],
+def plan_space(models_root: Path, needed_bytes: int, margin_bytes: int, *, target: tuple[str, str],
                served: Path | None = None, pinned: list[str] = (), fallback: Path | None = None) -> DiskPlan:
     """What to delete so the new model (`target` = repo_id, commit) fits, least recently used first.
 

@@ -285,7 +285,7 @@ def _retry_after_s(value: str | None, cap_s: float = 60.0) -> float:
         return 1.0
 
 
-def fetch_file(snapshot: RepoSnapshot, file: RepoFile, cache_dir: Path, endpoint: str | None = None,
+def fetch_file(snapshot: RepoSnapshot, file: RepoFile, cache_dir: Path, *, endpoint: str | None = None,
                on_bytes: Callable[[int], None] = lambda n: None, mirror: str | None = None) -> FetchResult:
     """Fetch one file at the pinned commit into the HF cache; only verified bytes get a blob name.
 
@@ -305,10 +305,11 @@ def fetch_file(snapshot: RepoSnapshot, file: RepoFile, cache_dir: Path, endpoint
     with FileLock(str(blob.with_name(file.etag + ".lock"))):
         if blob.exists() and blob.stat().st_size == file.size:  # renamed only once verified
             _link(snapshot, file, blob, cache_dir)
-            return FetchResult(file.path, file.size, 0, 0, time.perf_counter() - start, source="cache")
+            return FetchResult(file.path, file.size, downloaded=0, resumed_from=0, seconds=time.perf_counter() - start,
+                               source="cache")
         if mirror:
             try:
-                resumed = _download(snapshot, file, part, mirror, on_bytes)
+                resumed = _download(snapshot, file, part, endpoint=mirror, on_bytes=on_bytes)
                 source = "mirror"
             except DiskSpaceError:
                 raise
@@ -316,15 +317,15 @@ def fetch_file(snapshot: RepoSnapshot, file: RepoFile, cache_dir: Path, endpoint
                 mirror_error = first_line(exc)
                 part.unlink(missing_ok=True)  # a partial copy from the mirror cannot be vouched for
         if mirror_error or not mirror:
-            resumed = _download(snapshot, file, part, endpoint, on_bytes)
+            resumed = _download(snapshot, file, part, endpoint=endpoint, on_bytes=on_bytes)
             source = "hub"
         os.replace(part, blob)
     _link(snapshot, file, blob, cache_dir)
-    return FetchResult(file.path, file.size, file.size - resumed, resumed, time.perf_counter() - start,
-                       source=source, mirror_error=mirror_error)
+    return FetchResult(file.path, file.size, downloaded=file.size - resumed, resumed_from=resumed,
+                       seconds=time.perf_counter() - start, source=source, mirror_error=mirror_error)
 
 
-def _download(snapshot: RepoSnapshot, file: RepoFile, part: Path, endpoint: str | None,
+def _download(snapshot: RepoSnapshot, file: RepoFile, part: Path, *, endpoint: str | None,
               on_bytes: Callable[[int], None]) -> int:
     """The rest of the file from `endpoint` into `part`, verified; returns the bytes it resumed from."""
     url = hf_hub_url(snapshot.repo_id, file.path, revision=snapshot.commit, endpoint=endpoint)

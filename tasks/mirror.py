@@ -151,9 +151,9 @@ class MirrorHandler(BaseHTTPRequestHandler):
             return
         with blob.open("rb") as fh:
             fh.seek(start)
-            self.send_body(fh, m["file"], start, end)
+            self.send_body(fh, m["file"], start, end=end)
 
-    def send_body(self, fh, rel: str, start: int, end: int) -> None:
+    def send_body(self, fh, rel: str, start: int, *, end: int) -> None:
         pos = start
         while pos <= end and (chunk := fh.read(min(CHUNK, end + 1 - pos))):
             self.wfile.write(chunk)

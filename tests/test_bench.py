@@ -87,17 +87,17 @@ def test_prompts_are_exact_length_reproducible_and_avoid_vocab_ends():
 
 def test_chat_prompts_come_from_the_tokenizer_or_a_dataset(hub_root, tmp_path):
     chat = SPEC.model_copy(update=dict(api="chat", input_len=32))
-    texts = list(itertools.islice(level_prompts(chat, 4, None, hub_root / "demo" / "tiny-moe"), 9))
+    texts = list(itertools.islice(level_prompts(chat, 4, None, tokenizer=hub_root / "demo" / "tiny-moe"), 9))
     assert len(set(texts)) == 9 and all(isinstance(t, str) and t for t in texts)
     with pytest.raises(BenchConfigError, match="tokenizer"):
-        level_prompts(chat, 4, 32000, None)
+        level_prompts(chat, 4, 32000, tokenizer=None)
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"prompt": "hello"}\n{"prompt": "world"}\n')
-    cycled = level_prompts(chat.model_copy(update=dict(dataset=data)), 1, None, None)
+    cycled = level_prompts(chat.model_copy(update=dict(dataset=data)), 1, None, tokenizer=None)
     assert list(itertools.islice(cycled, 3)) == ["hello", "world", "hello"]
     data.write_text('{"text": "no prompt key"}\n')
     with pytest.raises(BenchConfigError, match=str(data)):
-        level_prompts(chat.model_copy(update=dict(dataset=data)), 1, None, None)
+        level_prompts(chat.model_copy(update=dict(dataset=data)), 1, None, tokenizer=None)
 
 
 def _offsets(count: int, rate: float | None, burstiness: float, seed: int) -> np.ndarray:
@@ -119,7 +119,7 @@ def test_measured_latencies_match_what_the_server_injected(concurrency):
     ttft, itl = 0.200, 0.020
     spec = SPEC.model_copy(update=dict(level_duration_s=2.0, requests_per_level=None))
     with StreamingServer(ttft_s=ttft, itl_s=itl) as server:
-        row = run_level(server.base_url, "fake", spec, concurrency, vocab_size=1000)
+        row = run_level(server.base_url, "fake", spec, concurrency=concurrency, vocab_size=1000)
     assert row.failed == 0 and row.steady and row.measured >= concurrency
     for metric, injected in (("ttft", ttft), ("ttfc", ttft), ("tpot", itl), ("itl", itl), ("token_itl", itl)):
         measured = getattr(row, metric).median / 1000
@@ -134,7 +134,8 @@ def test_chat_ttft_is_vllms_first_chunk_and_ttfc_waits_for_content(concurrency, 
     ttft, itl = 0.200, 0.020
     spec = SPEC.model_copy(update=dict(api="chat", requests_per_level=max(8, 2 * concurrency)))
     with StreamingServer(ttft_s=ttft, itl_s=itl) as server:
-        row = run_level(server.base_url, "fake", spec, concurrency, tokenizer=hub_root / "demo" / "tiny-moe")
+        row = run_level(server.base_url, "fake", spec, concurrency=concurrency,
+                        tokenizer=hub_root / "demo" / "tiny-moe")
     assert row.failed == 0 and row.total_output_tokens == max(8, 2 * concurrency) * 20
     assert row.ttft.median < 20 and abs(row.ttfc.median / 1000 - ttft) <= 0.01
     assert row.itl.max >= ttft * 1000 and abs(row.token_itl.max / 1000 - itl) <= 0.01
@@ -144,8 +145,8 @@ def test_chat_ttft_is_vllms_first_chunk_and_ttfc_waits_for_content(concurrency, 
 def test_a_chunk_of_k_tokens_is_one_vllm_itl_and_k_token_itls():
     spec = SPEC.model_copy(update=dict(output_len=24, requests_per_level=4))
     with StreamingServer(ttft_s=0.05, itl_s=0.010, tokens_per_chunk=4) as server:
-        row = run_level(server.base_url, "fake", spec, 1, vocab_size=1000)
-        plain = run_level(server.base_url, "fake", spec.model_copy(update=dict(continuous_usage=False)), 1,
+        row = run_level(server.base_url, "fake", spec, concurrency=1, vocab_size=1000)
+        plain = run_level(server.base_url, "fake", spec.model_copy(update=dict(continuous_usage=False)), concurrency=1,
                           vocab_size=1000)
     assert row.total_output_tokens == 4 * 24
     assert row.itl.median == pytest.approx(40.0, abs=2.0)  # vLLM's: one interval per chunk
@@ -157,8 +158,8 @@ def test_a_chunk_of_k_tokens_is_one_vllm_itl_and_k_token_itls():
 def test_server_queueing_is_scraped_from_metrics_and_flagged(tmp_path):
     spec = SPEC.model_copy(update=dict(output_len=20, requests_per_level=16))
     with StreamingServer(ttft_s=0.02, itl_s=0.010, slots=4) as server:
-        fits = run_level(server.base_url, "fake", spec, 4, vocab_size=1000, scrape_interval_s=0.05)
-        queued = run_level(server.base_url, "fake", spec, 8, vocab_size=1000, scrape_interval_s=0.05,
+        fits = run_level(server.base_url, "fake", spec, concurrency=4, vocab_size=1000, scrape_interval_s=0.05)
+        queued = run_level(server.base_url, "fake", spec, concurrency=8, vocab_size=1000, scrape_interval_s=0.05,
                            results_dir=tmp_path)
     assert fits.server_waiting_max == 0 and "queued" not in fits.flags
     assert fits.server_running_max == 4
@@ -199,9 +200,10 @@ def test_only_the_samples_a_level_reads_are_parsed_summed_over_engines():
 def test_no_measured_prompt_is_in_the_prefix_cache_and_the_hit_rate_is_scraped(resets):
     spec = SPEC.model_copy(update=dict(output_len=4, requests_per_level=6))
     with StreamingServer(resets=resets) as server:
-        first = run_level(server.base_url, "fake", spec, 2, vocab_size=1000, scrape_interval_s=0.05)
-        again = run_level(server.base_url, "fake", spec, 2, vocab_size=1000, scrape_interval_s=0.05)  # same prompts
-        other = run_level(server.base_url, "fake", spec, 3, vocab_size=1000, scrape_interval_s=0.05)
+        first = run_level(server.base_url, "fake", spec, concurrency=2, vocab_size=1000, scrape_interval_s=0.05)
+        again = run_level(server.base_url, "fake", spec, concurrency=2, vocab_size=1000,
+                          scrape_interval_s=0.05)  # same prompts
+        other = run_level(server.base_url, "fake", spec, concurrency=3, vocab_size=1000, scrape_interval_s=0.05)
     assert first.server_prefix_cache_hit_rate == 0  # the warm-up's own prompt: nothing measured was cached
     assert other.server_prefix_cache_hit_rate == 0  # another level, other prompts
     # A repeat of a level finds its prompts cached, unless the server lets the level reset its cache first.
@@ -242,7 +244,8 @@ def test_sweep_stops_when_a_level_adds_too_little_throughput_and_names_the_knee(
 
 
 def test_sweep_stops_when_the_slo_breaks_and_the_knee_stays_within_it():
-    rows = [_level(1, 80.0, 8, within_slo=True, slo_attainment=1.0), _level(2, 150.0, 8, within_slo=True, slo_attainment=1.0),
+    rows = [_level(1, 80.0, 8, within_slo=True, slo_attainment=1.0), _level(2, 150.0, 8, within_slo=True,
+                                                                            slo_attainment=1.0),
             _level(4, 290.0, 8, within_slo=False, slo_attainment=0.5)]
     assert "SLO missed at concurrency 4 (50% of requests within)" == stop_reason(rows, 0.05)
     assert knee(rows).concurrency == 2
@@ -262,10 +265,10 @@ def test_a_level_where_every_request_failed_is_reported_and_ends_the_sweep(tmp_p
     assert dead.completed == 0 and dead.output_throughput == 0 and "all-failed" in dead.flags
     assert dead.first_error == "HTTP500: engine dead"
     assert stop_reason([good, dead], 0.05) == "every request failed at concurrency 2: HTTP500: engine dead"
-    chart = save_results([good, dead], tmp_path, "t", {}, stop_reason([good, dead], 0.05))
+    chart = save_results([good, dead], tmp_path, "t", facts={}, stop=stop_reason([good, dead], 0.05))
     assert chart.read_bytes().startswith(b"\x89PNG")  # drawn from the level that has figures
     assert "every request failed at concurrency 2" in (tmp_path / "summary.md").read_text()
-    assert save_results([dead], tmp_path / "none", "t", {}, None) is None  # nothing to draw: still no error
+    assert save_results([dead], tmp_path / "none", "t", facts={}, stop=None) is None  # nothing to draw: still no error
 
 
 def test_geometric_levels_end_at_the_maximum():
@@ -291,7 +294,7 @@ def test_sigterm_mid_level_reaches_the_handler_that_was_installed():
             threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
             started = time.monotonic()
             with pytest.raises(_Terminated):
-                run_level(server.base_url, "fake", spec, 2, vocab_size=1000)
+                run_level(server.base_url, "fake", spec, concurrency=2, vocab_size=1000)
         assert time.monotonic() - started < 10
         assert signal.getsignal(signal.SIGTERM) is handler
     finally:
@@ -317,7 +320,7 @@ def test_intervals_hold_the_other_repeats_and_narrow_as_the_level_grows(tmp_path
         for seconds in (1.0, 4.0):
             spec = SPEC.model_copy(update=dict(output_len=16, level_duration_s=seconds, requests_per_level=None,
                                                client_cpus=client_cpus))
-            repeats = [run_level(server.base_url, "fake", spec, 8, vocab_size=1000, repeat=i,
+            repeats = [run_level(server.base_url, "fake", spec, concurrency=8, vocab_size=1000, repeat=i,
                                  results_dir=tmp_path / f"{seconds}s-{i}") for i in range(10)]
             for name, figure in HEADLINE.items():
                 inside = [figure(a)[1][0] <= figure(b)[0] <= figure(a)[1][1]
@@ -360,7 +363,7 @@ def test_energy_over_the_window_gives_tokens_per_joule_and_throughput_per_gpu():
 
     spec = SPEC.model_copy(update=dict(level_duration_s=1.5, requests_per_level=None))
     with StreamingServer(ttft_s=0.02, itl_s=0.005) as server, energy_meter(8, FakeNvml(count=8, watts=300.0)) as meter:
-        row = run_level(server.base_url, "fake", spec, 4, vocab_size=1000, energy=meter, gpus=8)
+        row = run_level(server.base_url, "fake", spec, concurrency=4, vocab_size=1000, energy=meter, gpus=8)
     assert row.steady and row.energy_j == pytest.approx(8 * 300.0 * row.window, rel=0.05)
     assert row.output_tokens_per_joule == pytest.approx(row.output_throughput * row.window / row.energy_j)
     assert row.output_throughput_per_gpu == pytest.approx(row.output_throughput / 8)

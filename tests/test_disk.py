@@ -70,7 +70,7 @@ def test_plan_evicts_least_recently_used_and_never_served_pinned_or_target(model
     served = models_root / "hub" / "models--org--served" / "snapshots" / ("b" * 40)
     fallback = models_root / "hub" / "models--org--fallback" / "snapshots" / ("d" * 40)
     # 45 MB short: the three oldest unprotected models (20 MB each) are needed
-    plan = plan_space(models_root, _needing(models_root, 45 * MB), 0, ("org/newest", "e" * 40), served=served,
+    plan = plan_space(models_root, _needing(models_root, 45 * MB), 0, target=("org/newest", "e" * 40), served=served,
                       pinned=["org/pinned"], fallback=fallback)
     evicted = [e.model.name for e in plan.evictions]
     assert evicted[:2] == ["org/oldest@aaaaaaaaaaaa", str(models_root / "hand-copied-nvfp4")]
@@ -85,14 +85,14 @@ def test_plan_evicts_least_recently_used_and_never_served_pinned_or_target(model
 
 def test_fallback_is_kept_when_other_models_free_enough(models_root):
     fallback = models_root / "hub" / "models--org--fallback" / "snapshots" / ("d" * 40)
-    plan = plan_space(models_root, _needing(models_root, 5 * MB), 0, ("org/newest", "e" * 40), fallback=fallback)
+    plan = plan_space(models_root, _needing(models_root, 5 * MB), 0, target=("org/newest", "e" * 40), fallback=fallback)
     assert [e.model.name for e in plan.evictions] == ["org/oldest@aaaaaaaaaaaa"]
     assert not plan.warnings
     assert plan.fits
 
 
 def test_plan_that_cannot_fit_deletes_nothing(models_root):
-    plan = plan_space(models_root, _needing(models_root, 10**12), 0, ("org/newest", "e" * 40))
+    plan = plan_space(models_root, _needing(models_root, 10**12), 0, target=("org/newest", "e" * 40))
     assert not plan.fits
     with pytest.raises(DiskSpaceError, match="will not fit: needs"):
         check_plan(plan, dry_run=False)
@@ -100,14 +100,14 @@ def test_plan_that_cannot_fit_deletes_nothing(models_root):
 
 
 def test_dry_run_names_what_it_would_delete_and_deletes_nothing(models_root):
-    plan = plan_space(models_root, _needing(models_root, 5 * MB), 0, ("org/newest", "e" * 40))
+    plan = plan_space(models_root, _needing(models_root, 5 * MB), 0, target=("org/newest", "e" * 40))
     with pytest.raises(DiskSpaceError, match=r"dry run: .*org/oldest@aaaaaaaaaaaa.*evict=true"):
         check_plan(plan, dry_run=True)
     assert len(inventory(models_root)) == 6
 
 
 def test_evict_deletes_and_reports_measured_free_space(models_root):
-    plan = plan_space(models_root, _needing(models_root, 25 * MB), 0, ("org/newest", "e" * 40))
+    plan = plan_space(models_root, _needing(models_root, 25 * MB), 0, target=("org/newest", "e" * 40))
     check_plan(plan, dry_run=False)
     result = evict(plan, models_root, tolerance_bytes=8 * 2**20)
     assert result.deleted == ["org/oldest@aaaaaaaaaaaa", "org/served@bbbbbbbbbbbb"]
@@ -123,7 +123,7 @@ def test_evict_fails_when_the_filesystem_keeps_the_blocks(models_root, tmp_path)
     keeper.mkdir()
     for blob in (models_root / "hub").glob("models--org--oldest/blobs/*"):
         os.link(blob, keeper / blob.name)
-    plan = plan_space(models_root, _needing(models_root, 5 * MB), 0, ("org/newest", "e" * 40))
+    plan = plan_space(models_root, _needing(models_root, 5 * MB), 0, target=("org/newest", "e" * 40))
     with pytest.raises(DiskSpaceError, match=r"expected 0\.02 GB back, the filesystem gave 0\.0\d GB \(free"):
         evict(plan, models_root, tolerance_bytes=8 * 2**20)
 

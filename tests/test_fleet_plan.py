@@ -67,7 +67,7 @@ def test_the_verdict_and_table_say_where_a_rollout_stopped_and_which_hosts_it_ne
                             ["tokenizer.json: ChecksumError: ..."]),
                 HostOutcome(fleet.hosts[2], 2, False, "Rolled back: org/model@cccc failed at the vLLM start: "
                             "ServerStartError: vLLM exited with code 1 during start-up (out-of-memory): ...", "run-3")]
-    said = verdict("org/model", "c" * 40, fleet.hosts, outcomes)
+    said = verdict("org/model", "c" * 40, fleet.hosts, outcomes=outcomes)
     assert said == ("Stopped: org/model@cccccccccccc failed on box-3 in wave 2: Rolled back: org/model@cccc failed "
                     "at the vLLM start; untouched, serving what they served: box-4, box-5")
     rows = fleet_rows(outcomes, fleet.hosts, 0.2)
@@ -76,7 +76,7 @@ def test_the_verdict_and_table_say_where_a_rollout_stopped_and_which_hosts_it_ne
         ("box-5", None, "untouched")]
     assert rows[1]["fetched from"] == "mirror 5, hub 1" and rows[1]["mirror failures"] == 1
     assert rows[2]["verdict"].endswith("(out-of-memory): ...")  # the whole of it below the table
-    assert verdict("org/model", "c" * 40, fleet.hosts[:2], outcomes[:2]) == \
+    assert verdict("org/model", "c" * 40, fleet.hosts[:2], outcomes=outcomes[:2]) == \
         "Rolled out: org/model@cccccccccccc serves on all 2 hosts"
 
 

@@ -16,9 +16,10 @@ def _run(slower_by: float, repeat: int) -> RunRecord:
     """One deploy's benchmark of a server whose every delay is stretched to make it `slower_by` slower."""
     stretch = 1 / (1 - slower_by)
     with StreamingServer(ttft_s=TTFT_S * stretch, itl_s=ITL_S * stretch) as server:
-        rows = [run_level(server.base_url, "fake", SPEC, c, vocab_size=1000, repeat=repeat)
+        rows = [run_level(server.base_url, "fake", SPEC, concurrency=c, vocab_size=1000, repeat=repeat)
                 for c in SPEC.concurrency_levels]
-    return run_record(rows, "org/m", "main", f"{repeat:040d}", "cpu (test)", "0", "TP=1")
+    return run_record(rows, "org/m", "main", commit=f"{repeat:040d}", gpu="cpu (test)", vllm_version="0",
+                      parallelism="TP=1")
 
 
 def test_the_gate_flags_real_slowdowns_and_nothing_else():

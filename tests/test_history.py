@@ -32,8 +32,10 @@ def _benchmarked_run(model: str, commit: str, ttft_s: float, itl_s: float,
                      answers: AnswerBaseline | None = None) -> RunRecord:
     """A deploy's tail end: a real sweep against a server of known speed, then its history record."""
     with StreamingServer(ttft_s=ttft_s, itl_s=itl_s) as server:
-        rows = [run_level(server.base_url, "fake", SPEC, c, vocab_size=1000) for c in SPEC.concurrency_levels]
-    return publish_record(run_record(rows, model, "main", commit, "cpu (test)", "0.32.0", "TP=1, EP=off",
+        rows = [run_level(server.base_url, "fake", SPEC, concurrency=c,
+                          vocab_size=1000) for c in SPEC.concurrency_levels]
+    return publish_record(run_record(rows, model, "main", commit=commit, gpu="cpu (test)", vllm_version="0.32.0",
+                                     parallelism="TP=1, EP=off",
                                      flow_run_id=str(flow_run.get_id()), answers=answers))
 
 

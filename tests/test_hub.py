@@ -61,12 +61,12 @@ def test_fetch_pins_the_commit_verifies_and_a_rerun_downloads_nothing(hub, fetch
     assert all(f.sha256 for f in snap.files if f.path.endswith(".safetensors"))
     cache = tmp_path / "hub"
     assert missing_bytes(snap, cache) == snap.total_bytes
-    results = [fetch_file(snap, f, cache, hub.endpoint) for f in snap.files]
+    results = [fetch_file(snap, f, cache, endpoint=hub.endpoint) for f in snap.files]
     assert sum(r.downloaded for r in results) == snap.total_bytes
     assert_complete_or_absent(snap, cache, fetch_root / REPO)
     assert missing_bytes(snap, cache) == 0
     sent = hub.file_bytes_sent
-    again = [fetch_file(snap, f, cache, hub.endpoint) for f in snap.files]
+    again = [fetch_file(snap, f, cache, endpoint=hub.endpoint) for f in snap.files]
     assert hub.file_bytes_sent == sent and all(r.downloaded == 0 for r in again)
 
 
@@ -77,7 +77,7 @@ def test_connection_cut_mid_shard_resumes_from_the_bytes_received(prefect_server
     shard = _shard(snap, 0)
     hub.inject(shard.path, Fault(kind, after_bytes=CHUNK + CHUNK // 2))
     result = fetch.with_options(retry_delay_seconds=0.1, retry_jitter_factor=None)(
-        snap, shard, tmp_path / "hub", hub.endpoint)
+        snap, shard, tmp_path / "hub", endpoint=hub.endpoint)
     gets = [r for r in hub.requests if r.path == shard.path]
     # resumed from the bytes that arrived, not from 0
     assert len(gets) == 2 and gets[0].range_start == 0 and 0 < gets[1].range_start <= CHUNK + CHUNK // 2
@@ -91,7 +91,8 @@ def test_429_waits_for_retry_after_then_fetches(prefect_server, hub, fetch_root,
     shard = _shard(snap)
     hub.inject(shard.path, Fault("status", status=429, retry_after=1))
     started = time.monotonic()
-    fetch.with_options(retry_delay_seconds=0, retry_jitter_factor=None)(snap, shard, tmp_path / "hub", hub.endpoint)
+    fetch.with_options(retry_delay_seconds=0, retry_jitter_factor=None)(snap, shard, tmp_path / "hub",
+                                                                        endpoint=hub.endpoint)
     assert time.monotonic() - started >= 1.0
     assert [r.status for r in hub.requests if r.path == shard.path] == [429, 200]
     assert_complete_or_absent(snap, tmp_path / "hub", fetch_root / REPO)
@@ -103,12 +104,12 @@ def test_corrupted_bytes_are_deleted_and_fetched_again_by_the_task_retry(prefect
     cache = tmp_path / "hub"
     hub.inject(shard.path, Fault("corrupt", after_bytes=12345))
     with pytest.raises(ChecksumError, match="deleted, will fetch again") as info:
-        fetch_file(snap, shard, cache, hub.endpoint)
+        fetch_file(snap, shard, cache, endpoint=hub.endpoint)
     assert is_transient(info.value)
     assert not list(cache.rglob(f"*{PART_SUFFIX}")) and not (snapshot_dir(snap, cache) / shard.path).exists()
     hub.inject(shard.path, Fault("corrupt", after_bytes=99))
     result = fetch.with_options(retry_delay_seconds=0.1, retry_jitter_factor=None)(
-        snap, shard, cache, hub.endpoint)
+        snap, shard, cache, endpoint=hub.endpoint)
     assert result.downloaded == SHARD
     assert_complete_or_absent(snap, cache, fetch_root / REPO)
     assert (snapshot_dir(snap, cache) / shard.path).read_bytes() == (fetch_root / REPO / shard.path).read_bytes()
@@ -120,7 +121,7 @@ def test_server_errors_are_retried_by_the_task_and_keep_the_partial_bytes(prefec
     cache = tmp_path / "hub"
     hub.inject(shard.path, Fault("status", status=500), Fault("status", status=503))
     result = fetch.with_options(retry_delay_seconds=0.1, retry_jitter_factor=None)(
-        snap, shard, cache, hub.endpoint)
+        snap, shard, cache, endpoint=hub.endpoint)
     assert [r.status for r in hub.requests if r.path == shard.path] == [500, 503, 200]
     assert result.downloaded == SHARD
     assert_complete_or_absent(snap, cache, fetch_root / REPO)
@@ -130,7 +131,7 @@ def test_missing_file_is_a_clear_error_not_retried(hub, fetch_root, tmp_path):
     snap = resolve_snapshot(REPO, "main", hub.endpoint)
     ghost = type(_shard(snap))(path="model-00009-of-00003.safetensors", size=10, sha256="0" * 64, blob_id=None)
     with pytest.raises(HubError, match="model-00009-of-00003.safetensors not found") as info:
-        fetch_file(snap, ghost, tmp_path / "hub", hub.endpoint)
+        fetch_file(snap, ghost, tmp_path / "hub", endpoint=hub.endpoint)
     assert not is_transient(info.value)
     assert not list((tmp_path / "hub").rglob(f"*{PART_SUFFIX}"))
 
@@ -143,9 +144,9 @@ def test_401_names_the_token_and_is_not_retried(hub, fetch_root, tmp_path, monke
         resolve_snapshot(REPO, "main", hub.endpoint)
     assert not is_transient(info.value)
     with pytest.raises(HubError, match="access denied"):
-        fetch_file(snap, _shard(snap), tmp_path / "hub", hub.endpoint)
+        fetch_file(snap, _shard(snap), tmp_path / "hub", endpoint=hub.endpoint)
     monkeypatch.setenv("HF_TOKEN", "hf_test_secret")
-    fetch_file(snap, _shard(snap), tmp_path / "hub", hub.endpoint)
+    fetch_file(snap, _shard(snap), tmp_path / "hub", endpoint=hub.endpoint)
     assert_complete_or_absent(snap, tmp_path / "hub", fetch_root / REPO)
 
 
@@ -160,7 +161,7 @@ if limit:  # the kernel refuses writes past this size: EFBIG, what a full quota 
 snap = resolve_snapshot("org/sharded", "main", endpoint)
 for f in sorted(snap.files, key=lambda f: f.size):  # the flow's order: small files first
     try:
-        fetch_file(snap, f, cache, endpoint)
+        fetch_file(snap, f, cache, endpoint=endpoint)
     except Exception as exc:
         print(f"{type(exc).__name__}: {exc}")
         sys.exit(3)
@@ -205,7 +206,7 @@ def test_killed_fetch_resumes_instead_of_downloading_again(hub, fetch_root, tmp_
         time.sleep(0.3)
         if before == hub.bytes_sent_by_file:
             break
-    results = {f.path: fetch_file(snap, f, cache, hub.endpoint) for f in snap.files}
+    results = {f.path: fetch_file(snap, f, cache, endpoint=hub.endpoint) for f in snap.files}
     assert all(results[f.path].downloaded == 0 and hub.bytes_sent_by_file[f.path] == before[f.path] for f in done)
     assert results[big.path].resumed_from == held
     assert hub.bytes_sent_by_file[big.path] - before[big.path] == BIG_SIZE - held

@@ -24,7 +24,7 @@ def canary_cache(hub, tmp_path) -> Path:
     snap = resolve_snapshot(REPO, "main", hub.endpoint)
     cache = tmp_path / "canary" / "hub"
     for f in snap.files:
-        fetch_file(snap, f, cache, hub.endpoint)
+        fetch_file(snap, f, cache, endpoint=hub.endpoint)
     return cache
 
 
@@ -36,7 +36,7 @@ def test_hosts_after_the_canary_read_the_mirror_and_not_the_hub(hub, fetch_root,
     snap = resolve_snapshot(REPO, "main", hub.endpoint)
     asked = len(hub.requests)
     with FaultyMirror(canary_cache) as mirror:
-        results = [fetch_file(snap, f, tmp_path / "host2" / "hub", hub.endpoint, mirror=mirror.endpoint)
+        results = [fetch_file(snap, f, tmp_path / "host2" / "hub", endpoint=hub.endpoint, mirror=mirror.endpoint)
                    for f in snap.files]
     assert [r.source for r in results] == ["mirror"] * len(snap.files)
     assert all(r.mirror_error is None and r.downloaded == r.size for r in results)
@@ -52,7 +52,8 @@ def test_a_flipped_byte_from_the_mirror_is_caught_and_that_file_comes_from_the_h
     before = _full_gets(hub, shard.path)
     with FaultyMirror(canary_cache) as mirror:
         mirror.corrupt_once(shard.path)
-        results = {f.path: fetch_file(snap, f, tmp_path / "host2" / "hub", hub.endpoint, mirror=mirror.endpoint)
+        results = {f.path: fetch_file(snap, f, tmp_path / "host2" / "hub", endpoint=hub.endpoint,
+                                      mirror=mirror.endpoint)
                    for f in snap.files}
     bad = results.pop(shard.path)
     assert bad.source == "hub" and "ChecksumError" in bad.mirror_error and "hashing to" in bad.mirror_error
@@ -66,9 +67,9 @@ def test_a_mirror_that_is_down_or_lacks_the_commit_falls_back_to_the_hub(hub, fe
     empty = tmp_path / "empty" / "hub"
     empty.mkdir(parents=True)
     with CacheMirror(empty) as mirror:  # up, but it never fetched this commit: 404
-        lacking = fetch_file(snap, snap.files[0], tmp_path / "a" / "hub", hub.endpoint, mirror=mirror.endpoint)
+        lacking = fetch_file(snap, snap.files[0], tmp_path / "a" / "hub", endpoint=hub.endpoint, mirror=mirror.endpoint)
     assert lacking.source == "hub" and "not found" in lacking.mirror_error
-    down = fetch_file(snap, snap.files[1], tmp_path / "b" / "hub", hub.endpoint, mirror="http://127.0.0.1:9")
+    down = fetch_file(snap, snap.files[1], tmp_path / "b" / "hub", endpoint=hub.endpoint, mirror="http://127.0.0.1:9")
     assert down.source == "hub" and "HubUnreachable" in down.mirror_error
     assert_complete_or_absent(snap, tmp_path / "a" / "hub", fetch_root / REPO)
 
@@ -107,7 +108,7 @@ def test_rollout_mirror_serves_a_models_root_until_stopped(hub, canary_cache, tm
             except httpx.HTTPError:
                 assert time.monotonic() < deadline and served.poll() is None, served.stderr.read()
                 time.sleep(0.2)
-        result = fetch_file(snap, snap.files[0], tmp_path / "host2" / "hub", hub.endpoint,
+        result = fetch_file(snap, snap.files[0], tmp_path / "host2" / "hub", endpoint=hub.endpoint,
                             mirror=f"http://127.0.0.1:{port}")
         assert result.source == "mirror"
     finally:

@@ -221,10 +221,11 @@ def check_answers(base_url: str, model: str, spec: AnswerSpec, *, last_good: Ans
     changes every answer while completions stay right. With `tools` or `reasoning` (the server's
     tool-call or reasoning parser), one probe through each parser."""
     probes = load_probes(spec.probes) if spec.probes else BUILTIN_PROBES
-    results = ask(base_url, model, probes, api_key, spec.max_tokens)
+    results = ask(base_url, model, probes, api_key=api_key, max_tokens=spec.max_tokens)
     if spec.chat:
-        results += ask(base_url, model, probes, api_key, spec.max_tokens, chat=True)
-    report = judge(results, perplexity=perplexity(base_url, model, spec.reference_text or BUILTIN_REFERENCE, api_key),
+        results += ask(base_url, model, probes, api_key=api_key, max_tokens=spec.max_tokens, chat=True)
+    report = judge(results, perplexity=perplexity(base_url, model, spec.reference_text or BUILTIN_REFERENCE,
+                                                  api_key=api_key),
                    thresholds=spec, last_good=last_good, same_commit=same_commit, same_weights=same_weights)
     if tools or reasoning:  # judged on their own: a parser is right or wrong, not a share of the probes
         parsed, problems = ask_parsers(base_url, model, tools=tools, reasoning=reasoning, api_key=api_key)
@@ -244,8 +245,8 @@ def _client(base_url: str, api_key: str | None, timeout_s: float) -> OpenAI:
     return OpenAI(base_url=f"{base_url}/v1", api_key=api_key or "EMPTY", max_retries=2, timeout=timeout_s)
 
 
-def ask(base_url: str, model: str, probes: list[Probe], api_key: str | None = None, max_tokens: int = 16,
-        timeout_s: float = 120.0, *, chat: bool = False) -> list[ProbeResult]:
+def ask(base_url: str, model: str, probes: list[Probe], *, api_key: str | None = None, max_tokens: int = 16,
+        timeout_s: float = 120.0, chat: bool = False) -> list[ProbeResult]:
     """Each probe's greedy answer: a completion of its prompt, or with `chat` the reply to it as a
     user's message through the chat template vLLM serves. A server that refuses is an
     AnswerCheckFailed in its words."""
@@ -321,7 +322,7 @@ def ask_parsers(base_url: str, model: str, *, tools: bool, reasoning: bool, api_
     return results, problems
 
 
-def perplexity(base_url: str, model: str, text: str, api_key: str | None = None,
+def perplexity(base_url: str, model: str, text: str, *, api_key: str | None = None,
                timeout_s: float = 120.0) -> float | None:
     """exp of the mean negative log-probability of the text's tokens after the first, from the
     server's prompt logprobs (vLLM: echo with logprobs); None where the server returns none."""

@@ -49,7 +49,7 @@ def _error_message(exc: Exception) -> str:
     return f"{_error_class(exc)}: {(text or type(exc).__name__).splitlines()[0][:300]}"
 
 
-async def one_request(client: AsyncOpenAI, spec: BenchSpec, model: str, prompt, output_len: int,
+async def one_request(client: AsyncOpenAI, spec: BenchSpec, model: str, *, prompt, output_len: int,
                        level_start: float) -> RequestRecord:
     # The body rides in extra_body, past the client's typed transform: it walks every field, and a
     # token-id prompt item by item (7 ms of CPU per 1024-token request), which at 256 streams would

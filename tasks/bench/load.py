@@ -53,7 +53,7 @@ async def _watch_energy(read: Callable[[], float], samples: list[tuple[float, fl
         await asyncio.sleep(interval_s)
 
 
-async def _run_level(base_url: str, model: str, spec: BenchSpec, concurrency: int, prompts: Iterator,
+async def _run_level(base_url: str, model: str, spec: BenchSpec, *, concurrency: int, prompts: Iterator,
                      api_key: str | None, scrape_interval_s: float, energy: Callable[[], float] | None,
                      gpus: int | None) -> LevelRun:
     client = _client(base_url, spec, api_key)
@@ -64,7 +64,8 @@ async def _run_level(base_url: str, model: str, spec: BenchSpec, concurrency: in
 
     async def measured(prompt, level_start: float) -> RequestRecord:
         try:
-            return await one_request(client, spec, model, prompt, spec.output_len, level_start)
+            return await one_request(client, spec, model, prompt=prompt, output_len=spec.output_len,
+                                     level_start=level_start)
         finally:
             gate.release()
 
@@ -96,10 +97,11 @@ async def _run_level(base_url: str, model: str, spec: BenchSpec, concurrency: in
             # level's TTFT is the server's, not TCP and task start-up on the first wave. It sends a
             # prompt of its own, after a prefix-cache reset where the server allows one.
             await reset_prefix_cache(http, base_url)
-            await asyncio.gather(*(one_request(client, spec, model, warmup, 2, time.perf_counter())
+            await asyncio.gather(*(one_request(client, spec, model, prompt=warmup, output_len=2,
+                                               level_start=time.perf_counter())
                                    for _ in range(concurrency)))
             watchers = [asyncio.create_task(_watch_loop(lags)),
-                        asyncio.create_task(scrape(http, f"{base_url}/metrics", server, scrape_interval_s))]
+                        asyncio.create_task(scrape(http, f"{base_url}/metrics", server, interval_s=scrape_interval_s))]
             cpu, start = time.process_time(), time.perf_counter()
             if energy is not None:
                 watchers.append(asyncio.create_task(_watch_energy(energy, joules, start, scrape_interval_s)))
@@ -115,7 +117,8 @@ async def _run_level(base_url: str, model: str, spec: BenchSpec, concurrency: in
                 joules.append((time.perf_counter() - start, energy()))
         finally:
             await client.close()
-    return LevelRun(records, duration, sending, lags, cpu, server, gpus, joules)
+    return LevelRun(records, duration, sending_s=sending, loop_lag_s=lags, client_cpu_s=cpu, server=server, gpus=gpus,
+                    energy_j=joules)
 
 
 def _run_async(coro):
@@ -173,25 +176,26 @@ def _pinned(cpus: str | None) -> Iterator[None]:
         os.sched_setaffinity(0, before)
 
 
-def run_level(base_url: str, model: str, spec: BenchSpec, concurrency: int, vocab_size: int | None = None,
+def run_level(base_url: str, model: str, spec: BenchSpec, *, concurrency: int, vocab_size: int | None = None,
               tokenizer: str | Path | None = None, api_key: str | None = None, results_dir: Path | None = None,
               scrape_interval_s: float = 0.2, repeat: int = 0, energy: Callable[[], float] | None = None,
               gpus: int | None = None) -> LevelResult:
     """One level, at most `concurrency` in flight; its JSON goes to results_dir. A repeat of a level
     sends prompts of its own. With `energy` (a reader of the serving GPUs' joules) the level reports
     output tokens per joule, and with `gpus` its throughput per GPU."""
-    prompts = level_prompts(spec, concurrency, vocab_size, tokenizer, repeat)
+    prompts = level_prompts(spec, concurrency, vocab_size, tokenizer=tokenizer, repeat=repeat)
     with _pinned(spec.client_cpus):
-        run = _run_async(_run_level(base_url, model, spec, concurrency, prompts, api_key, scrape_interval_s,
-                                    energy, gpus))
+        run = _run_async(_run_level(base_url, model, spec, concurrency=concurrency, prompts=prompts, api_key=api_key,
+                                    scrape_interval_s=scrape_interval_s, energy=energy, gpus=gpus))
     result = summarize(concurrency, run, spec)
     if results_dir is not None:
         results_dir.mkdir(parents=True, exist_ok=True)
-        (results_dir / f"level-c{concurrency:04d}.json").write_text(json.dumps(level_json(result, run, model, spec)))
+        level_file = results_dir / f"level-c{concurrency:04d}.json"
+        level_file.write_text(json.dumps(level_json(result, run, model, spec=spec)))
     return result
 
 
-def probe_prompts(base_url: str, model: str, spec: BenchSpec, vocab_size: int | None = None,
+def probe_prompts(base_url: str, model: str, spec: BenchSpec, *, vocab_size: int | None = None,
                   tokenizer: str | Path | None = None, api_key: str | None = None) -> BenchSpec:
     """The spec with the prompt form the server takes: token ids where it takes them (exact
     lengths), else text. One short request each; a server that refuses both is a BenchConfigError
@@ -200,8 +204,9 @@ def probe_prompts(base_url: str, model: str, spec: BenchSpec, vocab_size: int | 
     async def one(candidate: BenchSpec) -> RequestRecord:
         client = _client(base_url, candidate, api_key)
         try:  # the warm-up's prompt: no measured request then finds the probe's in the prefix cache
-            prompt = next(level_prompts(candidate, 1, vocab_size, tokenizer))
-            return await one_request(client, candidate, model, prompt, 2, time.perf_counter())
+            prompt = next(level_prompts(candidate, 1, vocab_size, tokenizer=tokenizer))
+            return await one_request(client, candidate, model, prompt=prompt, output_len=2,
+                                     level_start=time.perf_counter())
         finally:
             await client.close()
 

@@ -31,7 +31,7 @@ def parse_metrics(text: str) -> dict[str, float]:
     return totals
 
 
-async def scrape(http: httpx.AsyncClient, url: str, samples: ServerSamples, interval_s: float) -> None:
+async def scrape(http: httpx.AsyncClient, url: str, samples: ServerSamples, *, interval_s: float) -> None:
     while True:
         try:
             response = await http.get(url)

@@ -23,7 +23,7 @@ def _id_stream(input_len: int, vocab_size: int, seed) -> Iterator[list[int]]:
         yield from rng.integers(low, high, size=(64, input_len)).tolist()
 
 
-def make_prompts(count: int, input_len: int, vocab_size: int, seed) -> list[list[int]]:
+def make_prompts(count: int, input_len: int, vocab_size: int, *, seed) -> list[list[int]]:
     return list(itertools.islice(_id_stream(input_len, vocab_size, seed), count))
 
 
@@ -34,7 +34,7 @@ def _tokenizer(name: str):
     return AutoTokenizer.from_pretrained(name)
 
 
-def level_prompts(spec: BenchSpec, concurrency: int, vocab_size: int | None, tokenizer: str | Path | None,
+def level_prompts(spec: BenchSpec, concurrency: int, vocab_size: int | None, *, tokenizer: str | Path | None,
                   repeat: int = 0) -> Iterator[list[int] | str]:
     """A level's prompts, as many as it sends, the warm-up's own first, so that no measured request
     finds its prompt already in the server's prefix cache: the dataset's, or random ids (text for

@@ -82,7 +82,7 @@ def _errors(values: pd.Series, cis: pd.Series) -> list[list[float]]:
     return [low, high]
 
 
-def write_chart(df: pd.DataFrame, path: Path, title: str, gpus: int | None = None) -> Path | None:
+def write_chart(df: pd.DataFrame, path: Path, title: str, *, gpus: int | None = None) -> Path | None:
     """Throughput and latencies against concurrency (where the curve bends is the knee), each with
     its 95% interval, and the trade-off vLLM's sweep plots draw: throughput per GPU against each
     user's decode speed. A level where every request failed has no figures to draw; with no other
@@ -157,7 +157,7 @@ def finding_lines(results: list[LevelResult], stop: str | None) -> list[str]:
 
 
 def summary_markdown(results: list[LevelResult], title: str, facts: dict[str, str],
-                     stop: str | None = None, chart_src: str | None = None) -> str:
+                     *, stop: str | None = None, chart_src: str | None = None) -> str:
     """The sweep in words, its chart (`chart_src`: a file name beside it, or a data URI where the
     reader has no file system, as in the Prefect UI) and the headline table."""
     lines = [f"# {title}", ""]
@@ -169,14 +169,14 @@ def summary_markdown(results: list[LevelResult], title: str, facts: dict[str, st
     return "\n".join(lines)
 
 
-def save_results(results: list[LevelResult], results_dir: Path, title: str, facts: dict[str, str],
+def save_results(results: list[LevelResult], results_dir: Path, title: str, *, facts: dict[str, str],
                  stop: str | None, gpus: int | None = None) -> Path | None:
     """results.csv (every figure, vLLM's names), chart.png and summary.md next to the per-level JSON
     files; the chart's path, None where no level had figures to draw."""
     df = bench_table(results)
     results_dir.mkdir(parents=True, exist_ok=True)
     df.to_csv(results_dir / "results.csv", index=False)
-    chart = write_chart(df, results_dir / "chart.png", title, gpus)
-    markdown = summary_markdown(results, title, facts, stop, chart.name if chart else None)
+    chart = write_chart(df, results_dir / "chart.png", title, gpus=gpus)
+    markdown = summary_markdown(results, title, facts, stop=stop, chart_src=chart.name if chart else None)
     (results_dir / "summary.md").write_text(markdown + "\n")
     return chart

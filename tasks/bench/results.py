@@ -100,7 +100,7 @@ class Latency(BaseModel):
         ms = np.concatenate([np.asarray(v, dtype=np.float64) for v in per_request_s]) * 1000.0
         owners = np.repeat(np.arange(len(sizes)), sizes)
         p90, p99 = np.percentile(ms, (90, 99))
-        median_ci, p99_ci = quantile_intervals(ms, owners, len(sizes), (0.5, 0.99), seed)
+        median_ci, p99_ci = quantile_intervals(ms, owners, len(sizes), quantiles=(0.5, 0.99), seed=seed)
         median, enough = float(np.median(ms)), len(ms) >= MIN_P99_SAMPLES
         return cls(mean=ms.mean(), median=median, std=ms.std(), p90=p90, p99=p99 if enough else None,
                    max=ms.max(), samples=len(ms), median_ci=_widened(median, median_ci, resolution_ms),
@@ -259,7 +259,7 @@ def summarize(concurrency: int, run: LevelRun, spec: BenchSpec) -> LevelResult:
     if len(run.energy_j) > 1:
         at, joules = zip(*run.energy_j)
         energy = float(np.interp(end, at, joules) - np.interp(start, at, joules))
-    throughput_ci = rate_interval(arrived[in_window], weights[in_window], start, end) if window else None
+    throughput_ci = rate_interval(arrived[in_window], weights[in_window], start, end=end) if window else None
     return LevelResult(
         concurrency=concurrency,
         max_concurrency=concurrency,
@@ -305,7 +305,7 @@ def summarize(concurrency: int, run: LevelRun, spec: BenchSpec) -> LevelResult:
     )
 
 
-def level_json(result: LevelResult, run: LevelRun, model: str, spec: BenchSpec) -> dict:
+def level_json(result: LevelResult, run: LevelRun, model: str, *, spec: BenchSpec) -> dict:
     """The level as `vllm bench serve --save-result` writes it, per-request lists included."""
     return {
         "date": datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"),

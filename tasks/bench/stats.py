@@ -20,7 +20,7 @@ T_975_BATCHES = 2.262  # Student's t, 97.5th percentile, BATCHES - 1 degrees of 
 MIN_P99_SAMPLES = 100
 
 
-def quantile_intervals(values: np.ndarray, groups: np.ndarray, n_groups: int, quantiles: tuple[float, ...],
+def quantile_intervals(values: np.ndarray, groups: np.ndarray, n_groups: int, *, quantiles: tuple[float, ...],
                        seed: int = 0) -> list[tuple[float, float]]:
     """A percentile-bootstrap 95% interval for each quantile (0..1) of `values`, resampling whole
     groups (requests): each resample weights a group by how often it was drawn, and the weighted
@@ -44,7 +44,7 @@ def quantile_intervals(values: np.ndarray, groups: np.ndarray, n_groups: int, qu
     return intervals
 
 
-def rate_interval(times: np.ndarray, weights: np.ndarray, start: float, end: float) -> tuple[float, float]:
+def rate_interval(times: np.ndarray, weights: np.ndarray, start: float, *, end: float) -> tuple[float, float]:
     """A 95% interval for the rate of weighted events in [start, end), from BATCHES equal slices."""
     if end <= start:
         return (float("nan"), float("nan"))

@@ -85,7 +85,7 @@ def parse_header(file: str, file_size: int, read: Callable[[int, int], bytes]) -
         if valid:
             tensors[name] = make(TensorMeta, (dtype, tuple(shape), data_start + start, data_start + end, file))
         else:
-            tensors[name] = _tensor(file, name, entry, data_start, data_len)
+            tensors[name] = _tensor(file, name, entry, data_start=data_start, data_len=data_len)
     spans = sorted((t.start, t.end, n) for n, t in tensors.items() if t.end > t.start)
     for (_, prev_end, prev), (start, _, name) in zip(spans, spans[1:]):
         if start < prev_end:
@@ -93,7 +93,7 @@ def parse_header(file: str, file_size: int, read: Callable[[int, int], bytes]) -
     return FileHeader(file=file, file_size=file_size, header_bytes=8 + length, tensors=tensors)
 
 
-def _tensor(file: str, name: str, entry: object, data_start: int, data_len: int) -> TensorMeta:
+def _tensor(file: str, name: str, entry: object, *, data_start: int, data_len: int) -> TensorMeta:
     """One header entry, checked field by field so that a bad one is named."""
     where = f"{file}: tensor {name}"
     if type(entry) is not dict:
@@ -114,7 +114,7 @@ def _tensor(file: str, name: str, entry: object, data_start: int, data_len: int)
         raise CheckpointError(f"{where}: data_offsets {offsets!r} outside the {data_len}-byte data section")
     if offsets[1] - offsets[0] != count * width:
         raise CheckpointError(f"{where}: {offsets[1] - offsets[0]} bytes for {dtype}{shape}")
-    return TensorMeta(dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1], file)
+    return TensorMeta(dtype, tuple(shape), start=data_start + offsets[0], end=data_start + offsets[1], file=file)
 
 
 def read_local_header(path: Path) -> FileHeader:
@@ -146,7 +146,7 @@ def _int_struct(dtype: str, shape: tuple[int, ...]) -> struct.Struct | None:
     return None if fmt is None else struct.Struct(f"<{math.prod(shape)}{fmt}")
 
 
-def read_remote_header(url: str, file: str, file_size: int, headers: dict[str, str]) -> FileHeader:
+def read_remote_header(url: str, file: str, file_size: int, *, headers: dict[str, str]) -> FileHeader:
     """Two range requests: the 8-byte length, then exactly the header."""
     from huggingface_hub import constants
     from huggingface_hub.utils import get_session, hf_raise_for_status

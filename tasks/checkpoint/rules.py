@@ -240,7 +240,8 @@ def validate(view: CheckpointView) -> ValidationReport:
         else:
             values = view.read_values(shape_metas)
             bytes_read += sum(m.nbytes for m in values)
-        _check_compressed_tensors(qc, modules, kinds, values, violations, warnings, notes)
+        _check_compressed_tensors(qc, modules, kinds, values=values, violations=violations, warnings=warnings,
+                                  notes=notes)
 
     return ValidationReport(
         source=view.source,
@@ -274,6 +275,7 @@ def _check_compressed_tensors(
     qc: CompressedTensorsConfig,
     modules: dict[str, Module],
     kinds: dict[str, str],
+    *,
     values: dict[TensorMeta, tuple[int, ...]],
     violations: list[Violation],
     warnings: list[Violation],

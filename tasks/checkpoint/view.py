@@ -124,7 +124,8 @@ def remote_view(snapshot: RepoSnapshot, endpoint: str | None = None) -> Checkpoi
         if not stored:
             raise CheckpointError(f"{source}: no *.safetensors files")
         with ThreadPoolExecutor(max_workers=16) as pool:
-            headers = list(pool.map(lambda n: read_remote_header(url(n), n, sizes[n], http_headers), sorted(stored)))
+            headers = list(pool.map(lambda n: read_remote_header(url(n), n, sizes[n], headers=http_headers),
+                                    sorted(stored)))
     named = set(weight_map.values()) if weight_map else set()
     return CheckpointView(
         source=source, config=config, headers=headers, weight_map=weight_map, stored_shards=stored,

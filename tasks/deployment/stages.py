@@ -105,7 +105,7 @@ def parallelism(settings: VllmSettings) -> str:
     return f"TP={settings.tensor_parallel_size}, EP={'on' if settings.enable_expert_parallel else 'off'}"
 
 
-def bench_facts(config: DeployConfig, prepared: PreparedModel, gpu: GpuProbe, server: ServerFacts
+def bench_facts(config: DeployConfig, prepared: PreparedModel, gpu: GpuProbe, *, server: ServerFacts
                 ) -> dict[str, str]:
     """The lines above the sweep table: what was measured, on what, under which load."""
     spec = config.bench
@@ -122,7 +122,7 @@ def comparable(last_good: LastGood | None, repo_id: str) -> RunRecord | None:
     return last_good.record if last_good and last_good.repo_id == repo_id else None
 
 
-def deployment_record(config: DeployConfig, prepared: PreparedModel, handle: ServerHandle, server: ServerConfig,
+def deployment_record(config: DeployConfig, prepared: PreparedModel, handle: ServerHandle, *, server: ServerConfig,
                       record: RunRecord) -> LastGood:
     """What the host remembers of this deployment: what a restore starts and the next run is held to."""
     return LastGood(repo_id=prepared.repo_id, commit=prepared.commit, model_dir=prepared.model_dir,

@@ -54,7 +54,7 @@ def outliers(outcomes: list[HostOutcome], slowdown: float) -> dict[str, str]:
     return flagged
 
 
-def verdict(repo_id: str, commit: str, hosts: list[FleetHost], outcomes: list[HostOutcome]) -> str:
+def verdict(repo_id: str, commit: str, hosts: list[FleetHost], *, outcomes: list[HostOutcome]) -> str:
     """The rollout in one line, the fleet artifact's first."""
     what = f"{repo_id}@{commit[:12]}"
     done = {o.host.name for o in outcomes}

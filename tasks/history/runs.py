@@ -61,7 +61,7 @@ class RunRecord(BaseModel):
     flow_run_id: str | None = None
 
 
-def run_record(results: list[LevelResult], model: str, revision: str, commit: str, gpu: str, vllm_version: str,
+def run_record(results: list[LevelResult], model: str, revision: str, *, commit: str, gpu: str, vllm_version: str,
                parallelism: str, flow_run_id: str | None = None, answers: AnswerBaseline | None = None,
                load: str | None = None, unavailable_s: float | None = None,
                startup: dict[str, float] | None = None) -> RunRecord:

@@ -173,7 +173,7 @@ def publish_validation(report: ValidationReport, repo_id: str, stage: str) -> No
 
 
 # GPUs and vLLM
-def publish_hardware(gpu: GpuProbe, plan: HardwarePlan, findings: list[Violation], passed: bool,
+def publish_hardware(gpu: GpuProbe, plan: HardwarePlan, findings: list[Violation], *, passed: bool,
                      repo_id: str) -> None:
     gpus = ", ".join(f"{g.name} (cc {g.compute_capability[0]}.{g.compute_capability[1]}, "
                      f"{g.memory_total_bytes / 1e9:.0f} GB)" for g in gpu.gpus) or f"none ({gpu.reason})"
@@ -228,7 +228,7 @@ def publish_server(facts: ServerFacts, command: list[str], repo_id: str, *,
                              description=f"vLLM {facts.vllm_version} ready in {facts.startup_s:.0f} s")
 
 
-def publish_rollback(repo_id: str, restored: str, why: str, outcome: str) -> None:
+def publish_rollback(repo_id: str, restored: str, why: str, *, outcome: str) -> None:
     """Why the last good deployment was started again, and what serves now (or that nothing does)."""
     create_markdown_artifact(key=f"rollback-{model_slug(repo_id)}", markdown=(
         f"# Rolled back to {restored}\n\n**Why:** {why}\n\n{outcome}"), description=f"rollback to {restored}")
@@ -399,7 +399,7 @@ def tuning_rows(results: list[CandidateResult]) -> list[dict]:
              "peak tok/s per GPU": num(r.peak_per_gpu), "seconds": num(r.seconds, 2)} for r in results]
 
 
-def publish_tuning(repo_id: str, results: list[CandidateResult], best: CandidateResult | None, rule: str,
+def publish_tuning(repo_id: str, results: list[CandidateResult], best: CandidateResult | None, *, rule: str,
                    chart: bytes | None, promoted: bool) -> str:
     """`tune-<model>`: the winner in the first line, the Pareto chart, each candidate's outcome (a
     refusal's rule or flag, a failure's cause and log tail); `tune-table-<model>` the table alone.
@@ -427,7 +427,7 @@ def publish_tuning(repo_id: str, results: list[CandidateResult], best: Candidate
 
 
 # The nightly
-def publish_nightly(repo_id: str, revision: str, verdict: str, body: str, deploy_run_id: str | None = None) -> None:
+def publish_nightly(repo_id: str, revision: str, verdict: str, *, body: str, deploy_run_id: str | None = None) -> None:
     """`nightly-<model>`: the verdict in its first line; the deploy it started linked, where it did."""
     link = (f"\n\nThe deploy run: {run_link(deploy_run_id, deploy_run_id)}, its summary is its "
             f"`deploy-{model_slug(repo_id)}` artifact." if deploy_run_id else "")
@@ -456,7 +456,7 @@ def read_deploy_outcome(flow_run_id: str, repo_id: str) -> tuple[str | None, Run
             [r for r in rows(f"fetch-{slug}") if not r["file"].startswith("(")])
 
 
-def publish_fleet(repo_id: str, commit: str, verdict: str, rows: list[dict], mirror: str | None) -> None:
+def publish_fleet(repo_id: str, commit: str, verdict: str, *, rows: list[dict], mirror: str | None) -> None:
     """`fleet-<model>`: the verdict, then a row per host with its run linked; every mirror failure named."""
     table = pd.DataFrame([{**{k: v for k, v in row.items() if k not in ("flow_run_id", "failures", "verdict")},
                            "run": run_link(row["flow_run_id"], "run") if row["flow_run_id"] else "-"}

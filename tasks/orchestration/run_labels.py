@@ -34,7 +34,7 @@ def _trigger() -> str:
     return "ui" if deployment.get_id() else "cli"
 
 
-def label_run(repo_id: str, revision: str, commit: str | None = None, prefix: str = "") -> None:
+def label_run(repo_id: str, revision: str, commit: str | None = None, *, prefix: str = "") -> None:
     """Rename the current flow run for what it runs and add the tags; a no-op outside a flow run."""
     run_id = flow_run.get_id()
     if not run_id:

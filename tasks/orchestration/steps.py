@@ -102,9 +102,9 @@ def resolve_revision(repo_id: str, revision: str, endpoint: str | None = None) -
     retry_condition_fn=_retry_transient,
     cache_policy=NO_CACHE,  # the HF cache is the cache; a progress callback is not hashable anyway
 )
-def fetch(snapshot: RepoSnapshot, file: RepoFile, cache_dir: Path, endpoint: str | None = None,
+def fetch(snapshot: RepoSnapshot, file: RepoFile, cache_dir: Path, *, endpoint: str | None = None,
           on_bytes: Callable[[int], None] = lambda n: None, mirror: str | None = None) -> FetchResult:
-    return fetch_file(snapshot, file, cache_dir, endpoint, on_bytes, mirror)
+    return fetch_file(snapshot, file, cache_dir, endpoint=endpoint, on_bytes=on_bytes, mirror=mirror)
 
 
 # Validation
@@ -134,9 +134,10 @@ def validate_local(model_dir: Path, repo_id: str) -> ValidationReport:
 
 # Disk
 @task(name="plan-disk", tags=["disk"])
-def plan_disk(models_root: Path, needed_bytes: int, margin_bytes: int, target: tuple[str, str],
+def plan_disk(models_root: Path, needed_bytes: int, margin_bytes: int, *, target: tuple[str, str],
               served: Path | None, pinned: list[str], fallback: Path | None, dry_run: bool) -> DiskPlan:
-    plan = plan_space(models_root, needed_bytes, margin_bytes, target, served, pinned, fallback)
+    plan = plan_space(models_root, needed_bytes, margin_bytes, target=target, served=served, pinned=pinned,
+                      fallback=fallback)
     artifacts.publish_disk_plan(plan, target[0], dry_run)
     check_plan(plan, dry_run)
     return plan
@@ -159,21 +160,21 @@ def probe_gpus() -> GpuProbe:
 def check_gpus(gpu: GpuProbe, plan: HardwarePlan, repo_id: str) -> list[Violation]:
     """Publish the verdict; raise on a blocking problem so nothing is started on a box that cannot serve."""
     blocking, warnings = check_hardware(gpu, plan), hardware_warnings(gpu, plan)
-    artifacts.publish_hardware(gpu, plan, blocking + warnings, not blocking, repo_id)
+    artifacts.publish_hardware(gpu, plan, blocking + warnings, passed=not blocking, repo_id=repo_id)
     if blocking:
         raise GpuConfigError(f"{blocking[0].rule}: {blocking[0].message}")
     return warnings
 
 
 @task(name="start-vllm", tags=["vllm"], cache_policy=NO_CACHE)
-def start_vllm(cfg: ServerConfig, run_dir: Path, timeout_s: float, api_key_secret: str | None,
-               repo_id: str, failure_suffix: str = "", *,
+def start_vllm(cfg: ServerConfig, run_dir: Path, timeout_s: float, *, api_key_secret: str | None,
+               repo_id: str, failure_suffix: str = "",
                last_good_startup: dict[str, float] | None = None) -> tuple[ServerHandle, ServerFacts]:
     """Launch and wait until vLLM serves a real token (5-15 minutes for a 1T model); the task's
     duration is the load. Its start-up log goes to the Prefect log as it comes; its phases are
     published beside the last good start's."""
     try:
-        handle = start_and_wait(cfg, run_dir, timeout_s, secret(api_key_secret), report=get_run_logger().info)
+        handle = start_and_wait(cfg, run_dir, timeout_s, api_key=secret(api_key_secret), report=get_run_logger().info)
     except ServerStartError as err:
         artifacts.publish_server_failure(err, repo_id, failure_suffix)
         raise
@@ -230,19 +231,20 @@ def answer_check(base_url: str, model: str, spec: AnswerSpec, *, model_dir: Path
 
 # Benchmark and history
 @task(name="bench-level", task_run_name="bench c={concurrency}", tags=["bench"], cache_policy=NO_CACHE)
-def bench_level(base_url: str, model: str, spec: BenchSpec, concurrency: int, vocab_size: int | None,
+def bench_level(base_url: str, model: str, spec: BenchSpec, *, concurrency: int, vocab_size: int | None,
                 tokenizer: Path | None, api_key: str | None = None, results_dir: Path | None = None,
                 gpus: int | None = None) -> LevelResult:
     """One level; on `gpus` GPUs it reports throughput per GPU, and tokens per joule where NVML counts energy."""
     with energy_meter(gpus) if gpus else contextlib.nullcontext() as meter:
-        return run_level(base_url, model, spec, concurrency, vocab_size, tokenizer, api_key, results_dir,
+        return run_level(base_url, model, spec, concurrency=concurrency, vocab_size=vocab_size, tokenizer=tokenizer,
+                         api_key=api_key, results_dir=results_dir,
                          energy=meter, gpus=gpus)
 
 
 @task(name="publish-results", tags=["report"])
-def publish_results(results: list[LevelResult], repo_id: str, facts: dict[str, str], results_dir: Path,
+def publish_results(results: list[LevelResult], repo_id: str, facts: dict[str, str], *, results_dir: Path,
                     stop: str | None, gpus: int | None = None) -> None:
-    save_results(results, results_dir, f"Benchmark of {repo_id}", facts, stop, gpus)
+    save_results(results, results_dir, f"Benchmark of {repo_id}", facts=facts, stop=stop, gpus=gpus)
     artifacts.publish_bench(results, repo_id, results_dir)
 
 
@@ -254,10 +256,10 @@ def publish_record(record: RunRecord) -> RunRecord:
 
 # Tuning
 @task(name="check-candidate", task_run_name="check {candidate.name}", tags=["tune"], cache_policy=NO_CACHE)
-def check_candidate(candidate: Candidate, gpu: GpuProbe, plan: HardwarePlan, server: ServerConfig,
+def check_candidate(candidate: Candidate, gpu: GpuProbe, plan: HardwarePlan, *, server: ServerConfig,
                     cache_dir: Path) -> CandidateResult | None:
     """The hardware rules and vLLM's parser, in milliseconds: a refusal names the rule or the flag."""
-    return refusal(candidate, check_hardware(gpu, plan), server, cache_dir)
+    return refusal(candidate, check_hardware(gpu, plan), server, cache_dir=cache_dir)
 
 
 def _candidate_key(context, parameters) -> str:
@@ -266,13 +268,14 @@ def _candidate_key(context, parameters) -> str:
 
 @task(name="measure-candidate", task_run_name="measure {candidate.name}", tags=["tune", "vllm"],
       cache_key_fn=_candidate_key, persist_result=True)
-def measure_candidate(key: str, candidate: Candidate, server: ServerConfig, run_dir: Path, timeout_s: float,
+def measure_candidate(key: str, candidate: Candidate, server: ServerConfig, *, run_dir: Path, timeout_s: float,
                       api_key_secret: str | None, answers: AnswerSpec, model_dir: Path, bench: BenchSpec,
                       vocab_size: int | None, gpus: int) -> CandidateResult:
     """Cached under `key` (model commit, vLLM version, GPUs, load, settings): a search run again, or
     resumed after an interruption, measures only what it has not measured yet."""
-    return measure(candidate, server, run_dir, timeout_s, secret(api_key_secret), answers, model_dir, bench,
-                   vocab_size, gpus, report=get_run_logger().info)
+    return measure(candidate, server, run_dir, timeout_s=timeout_s, api_key=secret(api_key_secret), answers=answers,
+                   model_dir=model_dir, bench=bench,
+                   vocab_size=vocab_size, gpus=gpus, report=get_run_logger().info)
 
 
 def is_measured(key: str) -> bool:
@@ -284,7 +287,8 @@ def is_measured(key: str) -> bool:
 
 
 # The fleet
-def run_on_host(deployment: str, parameters: dict, pickup_deadline_s: float, tags: list[str] | None = None) -> FlowRun:
+def run_on_host(deployment: str, parameters: dict, pickup_deadline_s: float, *,
+                tags: list[str] | None = None) -> FlowRun:
     """Run a host's deployment on its worker and wait until the run ends.
 
     A run that no worker has taken within `pickup_deadline_s` is cancelled: a host whose worker is
@@ -316,7 +320,7 @@ def run_on_host(deployment: str, parameters: dict, pickup_deadline_s: float, tag
 
 
 @task(name="deploy-on-host", task_run_name="deploy on {host.name}", cache_policy=NO_CACHE)
-def deploy_on_host(host: FleetHost, wave: int, config: DeployConfig, pickup_deadline_s: float) -> HostOutcome:
+def deploy_on_host(host: FleetHost, wave: int, config: DeployConfig, *, pickup_deadline_s: float) -> HostOutcome:
     """Run the host's own deploy deployment on its work pool, wait for it, and read what it published.
 
     The child run is the host's whole deploy (fetch, validation, answer check, sweep, gate, rollback),
@@ -335,9 +339,10 @@ def deploy_on_host(host: FleetHost, wave: int, config: DeployConfig, pickup_dead
     serving = bool(state and state.is_completed())
     sources = {s: sum(r.get("source") == s for r in fetched) for s in ("hub", "mirror", "cache")}
     get_run_logger().info("%s: %s", host.name, verdict or (state.name if state else "no state"))
-    return HostOutcome(host, wave, serving, verdict or f"Failed: run ended {state.name if state else 'unknown'}",
-                       str(run.id), record, sources,
-                       [f"{r['file']}: {r['mirror_error']}" for r in fetched if r.get("mirror_error")])
+    ended = f"Failed: run ended {state.name if state else 'unknown'}"
+    return HostOutcome(host, wave, serving, verdict=verdict or ended,
+                       flow_run_id=str(run.id), record=record, fetched=sources,
+                       mirror_failures=[f"{r['file']}: {r['mirror_error']}" for r in fetched if r.get("mirror_error")])
 
 
 # A multi-node group

@@ -48,7 +48,7 @@ class CandidateResult(BaseModel):
 
 
 def refusal(candidate: Candidate, hardware: list[Violation], server: ServerConfig,
-            cache_dir: Path) -> CandidateResult | None:
+            *, cache_dir: Path) -> CandidateResult | None:
     """Refused in milliseconds, before any load: by the hardware rules (memory per GPU, FP8 KV on
     SM12x, more GPUs than the host has), then by the installed vLLM's own parser."""
     started = time.perf_counter()
@@ -64,7 +64,7 @@ def refusal(candidate: Candidate, hardware: list[Violation], server: ServerConfi
     return None
 
 
-def measure(candidate: Candidate, server: ServerConfig, run_dir: Path, timeout_s: float, api_key: str | None,
+def measure(candidate: Candidate, server: ServerConfig, run_dir: Path, *, timeout_s: float, api_key: str | None,
             answers: AnswerSpec, model_dir: Path, bench: BenchSpec, vocab_size: int | None, gpus: int,
             report: Callable[[str], None] = lambda line: None) -> CandidateResult:
     """Start, answer check, the deployment's sweep, stop: a start or an answer check that fails is a
@@ -72,7 +72,7 @@ def measure(candidate: Candidate, server: ServerConfig, run_dir: Path, timeout_s
     started = time.perf_counter()
     base = dict(name=candidate.name, settings=candidate.settings, gpus=gpus)
     try:
-        handle = start_and_wait(server, run_dir, timeout_s, api_key, report=report)
+        handle = start_and_wait(server, run_dir, timeout_s, api_key=api_key, report=report)
     except ServerStartError as err:
         return CandidateResult(**base, status="failed", cause=err.cause, detail=err.log_tail[-4000:],
                                seconds=time.perf_counter() - started)
@@ -86,8 +86,9 @@ def measure(candidate: Candidate, server: ServerConfig, run_dir: Path, timeout_s
                 return CandidateResult(**base, status="failed", cause="answer-check",
                                        detail="; ".join(checked.problems), accuracy=accuracy,
                                        startup_s=handle.startup_s, seconds=time.perf_counter() - started)
-        rows = sweep(bench, lambda c: run_level(handle.base_url, server.served_model_name, bench, c, vocab_size,
-                                                model_dir, handle.api_key, gpus=gpus))
+        rows = sweep(bench, lambda c: run_level(handle.base_url, server.served_model_name, bench, concurrency=c,
+                                                vocab_size=vocab_size,
+                                                tokenizer=model_dir, api_key=handle.api_key, gpus=gpus))
     finally:
         stop_server(handle)
     best, single = knee(rows), next((r for r in rows if r.concurrency == 1), None)

@@ -41,7 +41,7 @@ def _follow(path: Path, offset: int, report: Callable[[str], None]) -> int:
     return offset + len(complete)
 
 
-def wait_ready(handle: ServerHandle, model_name: str, timeout_s: float, poll_s: float = 2.0,
+def wait_ready(handle: ServerHandle, model_name: str, timeout_s: float, *, poll_s: float = 2.0,
                report: Callable[[str], None] = lambda line: None) -> float:
     """Ready means /health, the model listed in /v1/models, and one real token generated."""
     started = time.monotonic()
@@ -105,7 +105,7 @@ def check_group(handle: ServerHandle, cfg: ServerConfig) -> None:
                           cause="group-incomplete")
 
 
-def start_and_wait(cfg: ServerConfig, run_dir: Path, timeout_s: float, api_key: str | None = None,
+def start_and_wait(cfg: ServerConfig, run_dir: Path, timeout_s: float, *, api_key: str | None = None,
                    report: Callable[[str], None] = lambda line: None) -> ServerHandle:
     """Start vLLM and block until it serves (a real token included), or for a secondary node until
     its ranks are launched; a leader must also report every rank. On any failure the group is

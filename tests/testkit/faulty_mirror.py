@@ -35,7 +35,7 @@ class FaultyMirrorHandler(MirrorHandler):
             flip = rel in mirror._corrupt
             mirror._corrupt.discard(rel)
         if not flip:
-            return super().send_body(fh, rel, start, end)
+            return super().send_body(fh, rel, start, end=end)
         data = bytearray(fh.read(end + 1 - start))
         data[len(data) // 2] ^= 0xFF
         self.wfile.write(bytes(data))
