@@ -6,7 +6,7 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from flows.cli import ANSWERS, ENGINE, FORM, LOAD
-from flows.options import _decls, flag
+from flows.cli.options import _decls, flag
 from tasks.deployment.config import DeployConfig
 
 
