@@ -10,7 +10,8 @@ from pydantic import BaseModel, Field
 
 from tasks.errors import RegressionError
 from tasks.history.runs import comparison
-from tasks.orchestration.artifacts import publish_comparison, read_history
+from tasks.orchestration.artifacts import publish_comparison
+from tasks.orchestration.history import read_history
 
 
 class CompareConfig(BaseModel):

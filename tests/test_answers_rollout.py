@@ -20,7 +20,7 @@ from flows.demo import BF16_REPO, demo_config
 from flows.nightly import nightly_refresh
 from tasks.errors import AnswerCheckFailed, FilesChanged
 from tasks.history.last_good import read_last_good
-from tasks.orchestration.artifacts import model_slug, read_history
+from tasks.orchestration.history import model_slug, read_history
 from tasks.vllm.process import reap_stale
 
 pytestmark = pytest.mark.usefixtures("prefect_server")

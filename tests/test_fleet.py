@@ -41,7 +41,7 @@ from tasks.deployment.config import DeployConfig, Follower
 from tasks.fleet.hosts import HostsFile
 from tasks.history.last_good import read_last_good
 from tasks.hub import resolve_snapshot
-from tasks.orchestration.artifacts import model_slug, read_history
+from tasks.orchestration.history import model_slug, read_history
 from tasks.vllm.process import reap_stale
 from testkit.browser import CHROMIUM, open_artifact
 from testkit.faulty_mirror import FaultyMirror

@@ -19,7 +19,7 @@ from tasks.bench.load import run_level
 from tasks.bench.spec import BenchSpec
 from tasks.errors import RegressionError
 from tasks.history.runs import RunRecord, check_regression, run_record
-from tasks.orchestration.artifacts import read_history
+from tasks.orchestration.history import read_history
 from tasks.orchestration.steps import publish_record
 from testkit.openai_server import StreamingServer
 

@@ -113,7 +113,7 @@ def history(
     import pandas as pd
 
     from tasks.history.runs import comparison, readable
-    from tasks.orchestration.artifacts import read_history
+    from tasks.orchestration.history import read_history
 
     if not 0 <= threshold < 1:
         typer.echo(f"error: bad option --threshold {threshold}: a fraction in [0, 1)", err=True)

@@ -210,8 +210,8 @@ def tune(
         fail(exc)
     import pandas as pd
 
-    from tasks.orchestration.artifacts import tuning_rows
     from tasks.tuning.measure import winner
+    from tasks.tuning.report import tuning_rows
 
     with pd.option_context("display.width", 250, "display.max_columns", None, "display.max_colwidth", 60):
         rows = [{k: "-" if v is None else v for k, v in row.items()} for row in tuning_rows(results)]

@@ -1,5 +1,6 @@
-"""Every Prefect artifact the flows publish, and the history read back from them: one home for the
-keys and the renderers, so what the UI shows is written once.
+"""Every Prefect artifact the flows publish: one home for the keys, so what the UI shows is written
+once. The stages render their own markdown (tasks/deployment/summary.py, tasks/answers/report.py,
+tasks/tuning/report.py); the history is read back in tasks/orchestration/history.py.
 
 Keys are `<what>-<model slug>` (Prefect allows lowercase letters, digits and dashes only) and
 Prefect keeps every version of a key, so a model's runs line up under the same keys in the UI.
@@ -7,9 +8,7 @@ Prefect keeps every version of a key, so a model's runs line up under the same k
 
 from __future__ import annotations
 
-import json
 import math
-import re
 import shlex
 import threading
 import time
@@ -23,8 +22,9 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
-from tasks.answers.check import AnswerReport, LoadedAnswers
+from tasks.answers.check import AnswerReport
 from tasks.answers.files import FilesComparison
+from tasks.answers.report import answers_markdown, files_markdown
 from tasks.bench.report import headline_table, png_data_uri
 from tasks.bench.report import markdown_table as _markdown_table
 from tasks.bench.results import LevelResult
@@ -38,16 +38,10 @@ from tasks.history.chart import history_chart
 from tasks.history.runs import RunRecord, readable
 from tasks.host import host_name
 from tasks.hub import FetchResult
+from tasks.orchestration.history import HISTORY, PAGE, model_slug
 from tasks.tuning.measure import CandidateResult
+from tasks.tuning.report import tuning_markdown, tuning_rows
 from tasks.vllm.readiness import PHASES, ServerFacts, slow_start
-
-HISTORY = "history-"
-PAGE = 200  # the API's default page limit
-
-
-def model_slug(repo_id: str) -> str:
-    """Artifact keys allow lowercase letters, digits and dashes only."""
-    return re.sub(r"-+", "-", re.sub(r"[^a-z0-9]+", "-", repo_id.lower())).strip("-")
 
 
 def ui_link(path: str) -> str:
@@ -243,52 +237,18 @@ def publish_stopped(repo_id: str, what: str, stopped_pgid: int | None) -> None:
 
 
 # Benchmark and history
-def _under_load(loaded: LoadedAnswers | None) -> str:
-    if loaded is None:
-        return "not asked (off, or no context length and vocabulary to fill the cache with)"
-    if loaded.skipped and not loaded.results:
-        return f"not asked: {loaded.skipped}"
-    right = sum(r.correct for r in loaded.results)
-    usage = f"{loaded.kv_usage:.0%}" if loaded.kv_usage is not None else "an unknown share"
-    return (f"{right} of {len(loaded.results)} probes right with the KV cache {usage} full ({loaded.fills} long "
-            f"requests)" + (f"; {loaded.skipped}" if loaded.skipped else "")
-            + ("; " + "; ".join(loaded.problems) if loaded.problems else ""))
-
-
 def publish_answers(report: AnswerReport, repo_id: str) -> None:
-    """Each probe with the expected answer, the new output and the last good one, side by side."""
-    def cell(text: str | None) -> str:
-        return "-" if text is None else "`" + text.replace("|", "\\|").replace("\n", "\\n")[:60] + "`"
-
-    was = report.last_good
-    figures = [f"- **Accuracy:** {report.accuracy:.0%} of {len(report.results)} probes"
-               + (f" (last good: {was.accuracy:.0%})" if was else " (first deployment: absolute checks only)"),
-               "- **Perplexity of the reference text:** " + (f"{report.perplexity:.3g}" if report.perplexity else
-                                                           "not available from this server")
-               + (f" (last good: {was.perplexity:.3g})" if was and was.perplexity else ""),
-               f"- **Repeated 3-grams:** {report.repeated_ngrams:.0%}"
-               + (f" (last good: {was.repeated_ngrams:.0%})" if was else ""),
-               f"- **Under load:** {_under_load(report.under_load)}"]
-    verdict = "passed" if report.passed else "FAILED: " + "; ".join(report.problems)
-    rows = ["| asked by | prompt | expected | new output | last good output | right |", "|---|---|---|---|---|---|"]
-    rows += [f"| {'chat' if r.chat else 'completion'} | {cell(r.prompt)} | {cell(r.expected)} | {cell(r.output)} | "
-             f"{cell(r.last_good)} | {'yes' if r.correct else 'no'} |" for r in report.results]
+    """`answers-<model>`: each probe with the expected answer, the new output and the last good one."""
+    verdict, markdown = answers_markdown(report)
     create_markdown_artifact(key=f"answers-{model_slug(repo_id)}", description=f"answer check {verdict}"[:200],
-                             markdown="\n".join([f"# Answer check: {verdict}", "", *figures, "", *rows]))
+                             markdown=markdown)
 
 
 def publish_files_comparison(comparison: FilesComparison, repo_id: str) -> None:
-    """What changed in the model's files since the last good deployment, before any server stopped."""
-    verdict = ("FAILED: " + "; ".join(comparison.problems)) if comparison.problems else "passed"
-    weights = ("the same weight files" if comparison.same_weights else
-               "new weights of the same shapes" if comparison.same_shapes else "new weights, other shapes")
-    rows = ["| file | change | verdict |", "|---|---|---|"]
-    rows += [f"| {c.file} | {c.change.replace('|', '/')} | {'FAILS: ' + c.why if c.fails else 'named'} |"
-             for c in comparison.changes]
+    """`files-<model>`: what changed in the model's files since the last good deployment, before the swap."""
+    verdict, markdown = files_markdown(comparison)
     create_markdown_artifact(key=f"files-{model_slug(repo_id)}", description=f"files vs last good {verdict}"[:200],
-                             markdown="\n".join([f"# Files against the last good deployment: {verdict}", "",
-                                                 f"- **Last good:** {comparison.last_good} ({weights})", "",
-                                                 *(rows if comparison.changes else ["Nothing changed."])]))
+                             markdown=markdown)
 
 
 def publish_bench(results: list[LevelResult], repo_id: str, results_dir: Path) -> None:
@@ -304,37 +264,6 @@ def publish_history_record(record: RunRecord) -> None:
     """One row per benchmarked run; the versions of `history-<model>` are the model's history."""
     create_table_artifact(key=HISTORY + model_slug(record.model), table=[record.model_dump(mode="json")],
                           description=f"{record.model}@{record.commit[:12]}: {record.status}")
-
-
-def read_history(model: str | None = None) -> list[RunRecord]:
-    """Every record the Prefect API holds, oldest first; one model's when `model` is given.
-
-    Through the Prefect client, page by page, so it works against any server the flows report to,
-    and what an engineer sees in the UI is what `rollout history` prints.
-    """
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, ArtifactFilterType
-    from prefect.client.schemas.sorting import ArtifactSort
-
-    key = ArtifactFilterKey(any_=[HISTORY + model_slug(model)]) if model else ArtifactFilterKey(like_=HISTORY)
-    wanted = ArtifactFilter(key=key, type=ArtifactFilterType(any_=["table"]))
-    # Keyed by what the record is, not by artifact id: a record published while we page shifts later
-    # pages by one, and a create the client retried (the server stored the first try but timed out
-    # answering, as SQLite under load does) stores the same record twice.
-    seen: dict[tuple, RunRecord] = {}
-    with get_client(sync_client=True) as client:
-        offset = 0
-        while True:
-            page = client.read_artifacts(artifact_filter=wanted, sort=ArtifactSort.CREATED_DESC, limit=PAGE,
-                                         offset=offset)
-            for artifact in page:
-                if artifact.key and artifact.key.startswith(HISTORY):  # like_ matches anywhere in the key
-                    data = json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
-                    for record in (RunRecord.model_validate(row) for row in data):
-                        seen[(record.model, record.commit, record.time, record.host)] = record
-            if len(page) < PAGE:
-                return sorted(seen.values(), key=lambda r: r.time)
-            offset += PAGE
 
 
 def publish_comparison(table: pd.DataFrame, records: list[RunRecord], threshold: float) -> list[dict]:
@@ -388,41 +317,14 @@ def publish_deploy_summary(report: DeployReport) -> None:
 
 
 # Tuning
-def tuning_rows(results: list[CandidateResult]) -> list[dict]:
-    """One row per candidate, in the order tried; figures rounded, units in the headers."""
-    def num(value: float | None, digits: int = 1) -> float | None:
-        return round(value, digits) if value is not None else None
-
-    return [{"candidate": r.name, "status": r.status, "cause": r.cause or "-",
-             "single stream tok/s": num(r.single_stream_tok_s), "peak tok/s": num(r.peak_tok_s),
-             "knee": r.knee_concurrency, "p99 TTFT ms": num(r.p99_ttft_ms), "startup s": num(r.startup_s),
-             "peak tok/s per GPU": num(r.peak_per_gpu), "seconds": num(r.seconds, 2)} for r in results]
-
-
 def publish_tuning(repo_id: str, results: list[CandidateResult], best: CandidateResult | None, *, rule: str,
                    chart: bytes | None, promoted: bool) -> str:
-    """`tune-<model>`: the winner in the first line, the Pareto chart, each candidate's outcome (a
-    refusal's rule or flag, a failure's cause and log tail); `tune-table-<model>` the table alone.
-    Returns the verdict line."""
+    """`tune-<model>` (the report) and `tune-table-<model>` (the table alone). Returns the verdict line."""
     slug = model_slug(repo_id)
     rows = tuning_rows(results)
     create_table_artifact(key=f"tune-table-{slug}", table=rows, description=f"{len(rows)} candidates of {repo_id}")
-    counts = {s: sum(r.status == s for r in results) for s in ("measured", "refused", "failed", "not measured")}
-    tally = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
-    verdict = (f"Winner: {best.name}: {best.peak_tok_s:,.1f} tok/s peak at c={best.knee_concurrency}, "
-               f"{best.single_stream_tok_s or 0:,.1f} single stream" if best
-               else "No winner: no candidate was measured")
-    lines = [f"# {verdict}", "", f"{repo_id}: {len(results)} candidates ({tally}); winner by {rule}"
-             + (" (ties within 2% of the best peak go to the faster single stream)." if rule == "peak" else ".")]
-    if promoted and best:
-        lines.append("\n**Promoted:** the next deploy of this model on this host serves with the winner's settings.")
-    if chart is not None:
-        lines += ["", f"![Throughput per GPU against tok/s per user]({png_data_uri(chart)})"]
-    lines += ["", _markdown_table(pd.DataFrame(rows))]
-    for r in results:
-        if r.status in ("refused", "failed"):
-            lines += ["", f"**{r.name}**: {r.status} ({r.cause})", "", "```", r.detail[-2000:], "```"]
-    create_markdown_artifact(key=f"tune-{slug}", markdown="\n".join(lines), description=verdict[:250])
+    verdict, markdown = tuning_markdown(repo_id, results, best, rule=rule, chart=chart, promoted=promoted)
+    create_markdown_artifact(key=f"tune-{slug}", markdown=markdown, description=verdict[:250])
     return verdict
 
 
@@ -436,26 +338,6 @@ def publish_nightly(repo_id: str, revision: str, verdict: str, *, body: str, dep
 
 
 # The fleet
-def read_deploy_outcome(flow_run_id: str, repo_id: str) -> tuple[str | None, RunRecord | None, list[dict]]:
-    """A deploy run's summary verdict, history record and fetch table, as it published them."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
-
-    slug = model_slug(repo_id)
-    with get_client(sync_client=True) as client:
-        found = {a.key: a for a in client.read_artifacts(
-            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))}
-
-    def rows(key: str) -> list[dict]:
-        data = found[key].data if key in found else "[]"
-        return json.loads(data) if isinstance(data, str) else data
-
-    summary = found.get(f"deploy-{slug}")
-    records = [RunRecord.model_validate(row) for row in rows(HISTORY + slug)]
-    return (summary.description if summary else None, records[-1] if records else None,
-            [r for r in rows(f"fetch-{slug}") if not r["file"].startswith("(")])
-
-
 def publish_fleet(repo_id: str, commit: str, verdict: str, *, rows: list[dict], mirror: str | None) -> None:
     """`fleet-<model>`: the verdict, then a row per host with its run linked; every mirror failure named."""
     table = pd.DataFrame([{**{k: v for k, v in row.items() if k not in ("flow_run_id", "failures", "verdict")},

@@ -48,6 +48,7 @@ from tasks.hub import (
     resolve_snapshot,
 )
 from tasks.orchestration import artifacts
+from tasks.orchestration.history import read_deploy_outcome
 from tasks.prewarm import Prewarm, prewarm
 from tasks.tuning.measure import CandidateResult, measure, refusal
 from tasks.tuning.space import Candidate
@@ -334,7 +335,7 @@ def deploy_on_host(host: FleetHost, wave: int, config: DeployConfig, *, pickup_d
                 "It serves what it served")
         get_run_logger().error("%s: %s", host.name, said)
         return HostOutcome(host, wave, False, said)
-    verdict, record, fetched = artifacts.read_deploy_outcome(str(run.id), config.repo_id)
+    verdict, record, fetched = read_deploy_outcome(str(run.id), config.repo_id)
     state = run.state
     serving = bool(state and state.is_completed())
     sources = {s: sum(r.get("source") == s for r in fetched) for s in ("hub", "mirror", "cache")}
