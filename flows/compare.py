@@ -9,7 +9,7 @@ from prefect import flow, get_run_logger
 from pydantic import BaseModel, Field
 
 from tasks.errors import RegressionError
-from tasks.history.runs import comparison
+from tasks.history.runs import comparison, newest_regressed
 from tasks.orchestration.artifacts import publish_comparison
 from tasks.orchestration.history import read_history
 
@@ -28,8 +28,7 @@ def compare_runs(config: CompareConfig) -> list[dict]:
     records = [r for m in config.models for r in read_history(m)] if config.models else read_history()
     table = comparison(records, config.threshold)
     rows = publish_comparison(table, records, config.threshold)
-    newest = table.groupby("model").tail(1)
-    regressed = newest[newest["regression"] != ""]
+    regressed = newest_regressed(table)
     logger.info("%d runs of %d model(s), %d newest run(s) regressed", len(rows), table["model"].nunique(),
                 len(regressed))
     if config.fail_on_regression and not regressed.empty:

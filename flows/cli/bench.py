@@ -112,7 +112,7 @@ def history(
     """
     import pandas as pd
 
-    from tasks.history.runs import comparison, readable
+    from tasks.history.runs import comparison, newest_regressed, readable
     from tasks.orchestration.history import read_history
 
     if not 0 <= threshold < 1:
@@ -128,7 +128,7 @@ def history(
         raise typer.Exit(0)
     with pd.option_context("display.width", 250, "display.max_columns", None):
         typer.echo(readable(table, wide).to_string(index=False, na_rep="-"))
-    newest = table.groupby("model").tail(1)
-    for row in newest[newest["regression"] != ""].itertuples():
+    regressed = newest_regressed(table)
+    for row in regressed.itertuples():
         typer.echo(f"regression: {row.model} at {row.revision}: {row.regression}")
-    raise typer.Exit(1 if (newest["regression"] != "").any() else 0)
+    raise typer.Exit(1 if len(regressed) else 0)

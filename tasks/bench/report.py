@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 
 from tasks.bench.results import Latency, LevelResult
-from tasks.bench.sweep import knee
+from tasks.bench.sweep import knee, single_stream
 
 # Why a level carries each flag, in the words the summary prints once per flag.
 FLAG_MEANINGS = {
@@ -133,7 +133,7 @@ def verdict_lines(results: list[LevelResult], stop: str | None) -> list[str]:
     """What the sweep found, in words: single stream, the knee, then the findings; the summary's
     bullets and the CLI's closing lines."""
     best = knee(results)
-    single = next((r for r in results if r.concurrency == 1), None)
+    single = single_stream(results)
     lines = []
     if single is not None:
         lines.append(f"- **Single stream:** {with_interval(single.output_throughput, single.output_throughput_ci)}"

@@ -53,3 +53,8 @@ def knee(results: list[LevelResult]) -> LevelResult | None:
     eligible = [r for r in results if r.within_slo is not False and r.completed > 0]
     steady = [r for r in eligible if r.steady] or eligible
     return max(steady, key=lambda r: r.output_throughput) if steady else None
+
+
+def single_stream(results: list[LevelResult]) -> LevelResult | None:
+    """The level of one stream at a time, where the sweep ran one: the figure a single user feels."""
+    return next((r for r in results if r.concurrency == 1), None)

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from tasks.answers.check import AnswerBaseline
 from tasks.bench.results import LevelResult
-from tasks.bench.sweep import knee
+from tasks.bench.sweep import knee, single_stream
 from tasks.host import host_name
 
 # Columns of the comparison table, in print order.
@@ -67,7 +67,7 @@ def run_record(results: list[LevelResult], model: str, revision: str, *, commit:
                startup: dict[str, float] | None = None) -> RunRecord:
     """Single stream, the knee's throughput and its p99 TTFT, from one sweep's rows."""
     best = knee(results)
-    single = next((r for r in results if r.concurrency == 1), None)
+    single = single_stream(results)
     return RunRecord(
         model=model, revision=revision, commit=commit, time=datetime.now(timezone.utc), host=host_name(),
         gpu=gpu, vllm_version=vllm_version, parallelism=parallelism,
@@ -146,6 +146,13 @@ def comparable_runs(before: RunRecord, now: RunRecord) -> bool:
     measures the load, not the deployment. A record from before loads were kept compares with any."""
     return (before.model, before.gpu) == (now.model, now.gpu) and (
         not before.load or not now.load or before.load == now.load)
+
+
+def newest_regressed(table: pd.DataFrame) -> pd.DataFrame:
+    """The rows of `comparison`'s table that are a model's newest run and regressed: what `rollout
+    history` exits 1 on, the compare flow fails on, and its summary names."""
+    newest = table.groupby("model").tail(1)
+    return newest[newest["regression"] != ""]
 
 
 def comparison(records: list[RunRecord], threshold: float | None = 0.1) -> pd.DataFrame:

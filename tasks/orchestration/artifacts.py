@@ -35,7 +35,7 @@ from tasks.errors import ServerStartError
 from tasks.findings import Violation
 from tasks.gpu import GpuProbe, HardwarePlan
 from tasks.history.chart import history_chart
-from tasks.history.runs import RunRecord, readable
+from tasks.history.runs import RunRecord, newest_regressed, readable
 from tasks.host import host_name
 from tasks.hub import FetchResult
 from tasks.orchestration.history import HISTORY, PAGE, model_slug
@@ -272,8 +272,7 @@ def publish_comparison(table: pd.DataFrame, records: list[RunRecord], threshold:
     rows = [{k: json_value(v) for k, v in row.items()} for row in table.to_dict(orient="records")]
     models = table["model"].nunique()
     create_table_artifact(key="run-comparison", table=rows, description=f"{len(rows)} runs of {models} model(s)")
-    newest = table.groupby("model").tail(1)
-    regressed = newest[newest["regression"] != ""]
+    regressed = newest_regressed(table)
     verdict = (f"{len(regressed)} of {models} model(s) regressed in their newest run" if len(regressed)
                else f"no regression in the newest run of {models} model(s)")
     lines = [f"# Run comparison: {verdict}", "", f"{len(rows)} runs; regression threshold {threshold:.0%} against "

@@ -14,7 +14,7 @@ from tasks.answers.spec import AnswerSpec
 from tasks.bench.load import run_level
 from tasks.bench.results import LevelResult
 from tasks.bench.spec import BenchSpec
-from tasks.bench.sweep import knee, sweep
+from tasks.bench.sweep import knee, single_stream, sweep
 from tasks.errors import ServerStartError
 from tasks.findings import Violation
 from tasks.tuning.space import Candidate
@@ -91,7 +91,7 @@ def measure(candidate: Candidate, server: ServerConfig, run_dir: Path, *, timeou
                                                 tokenizer=model_dir, api_key=handle.api_key, gpus=gpus))
     finally:
         stop_server(handle)
-    best, single = knee(rows), next((r for r in rows if r.concurrency == 1), None)
+    best, single = knee(rows), single_stream(rows)
     return CandidateResult(**base, status="measured", startup_s=handle.startup_s, accuracy=accuracy, levels=rows,
                            single_stream_tok_s=single.output_throughput if single else None,
                            peak_tok_s=best.output_throughput if best else None,
