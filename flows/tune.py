@@ -15,10 +15,12 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
+from flows.deploy import restore_last_good
 from flows.prepare import prepare_steps
 from tasks.deployment.config import DeployConfig
 from tasks.deployment.stages import gpus_used, hardware_plan, platform_label, server_config, vocab_size
-from tasks.history.last_good import serving_deployment, write_last_good
+from tasks.errors import RolloutError
+from tasks.history.last_good import read_last_good, serving_deployment
 from tasks.history.swap import begin_swap, end_swap
 from tasks.history.tuned import TunedSettings, write_tuned
 from tasks.orchestration.artifacts import publish_tuning
@@ -29,7 +31,6 @@ from tasks.orchestration.steps import (
     measure_candidate,
     probe_gpus,
     secret,
-    start_vllm,
     stop_serving,
 )
 from tasks.tuning.chart import pareto_chart
@@ -104,16 +105,18 @@ def tune_model(config: TuneConfig) -> list[CandidateResult]:
                         api_key_secret=deploy.api_key_secret, answers=deploy.answers, model_dir=prepared.model_dir,
                         bench=deploy.bench, vocab_size=vocab, gpus=gpus))
             finally:
-                if stopped:  # the host serves what it served before the search
+                if stopped:  # the host serves what it served before the search: the one restore
                     probe.resume()
-                    handle, _ = start_vllm.with_options(task_run_name="restart last good")(
-                        previous.server, deploy.run_dir, deploy.startup_timeout_s,
-                        api_key_secret=previous.api_key_secret, repo_id=deploy.repo_id, failure_suffix="-after-tune")
-                    write_last_good(deploy.run_dir, previous.model_copy(update={"serving_pgid": handle.pgid}))
+                    what, failed = restore_last_good(previous, run_dir=deploy.run_dir,
+                                                     startup_timeout_s=deploy.startup_timeout_s,
+                                                     why="the tune run stopped it to measure candidates")
                     end_swap(deploy.run_dir)
-                    probe.wait_for_answer(handle.pgid)
+                    if failed:
+                        raise RolloutError(f"the serving model did not start again after the tune: {what}")
+                    restarted = read_last_good(deploy.run_dir).serving_pgid
+                    probe.wait_for_answer(restarted)
                     logger.warning("unavailable during the tune: %s",
-                                   probe.gap(old_pgid=previous.serving_pgid, new_pgid=handle.pgid).text())
+                                   probe.gap(old_pgid=previous.serving_pgid, new_pgid=restarted).text())
         best = winner(results, config.winner_rule)
         if config.promote and best is not None:
             write_tuned(deploy.run_dir, TunedSettings(repo_id=deploy.repo_id, settings=best.settings,
