@@ -20,7 +20,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from flows.prepare import prepare_steps
 from tasks.answers.check import AnswerBaseline
 from tasks.bench.results import LevelResult
-from tasks.bench.sweep import sweep, unusable_level
+from tasks.bench.sweep import unusable_level
 from tasks.deployment.config import DeployConfig
 from tasks.deployment.stages import (
     DeployResult,
@@ -80,9 +80,10 @@ from tasks.orchestration.steps import (
     stop_serving,
     stop_vllm,
 )
+from tasks.serving import Serving
 from tasks.vllm.command import warming_option_table
 from tasks.vllm.gap import GapProbe, Unavailability
-from tasks.vllm.process import reap_stale, serving_headless, stop_server
+from tasks.vllm.process import reap_stale, serving_headless
 from tasks.vllm.readiness import slow_start
 from tasks.vllm.settings import ServerConfig
 
@@ -289,51 +290,50 @@ def _serve_and_bench(config: DeployConfig, prepared: PreparedModel, gpu: GpuProb
                           unavailable_s=gap.seconds if gap and promoted else None, startup=facts.phases)
 
     try:
-        logger.info("vLLM ready at %s after %.0f s", handle.base_url, handle.startup_s)
-        served = replace(served, facts=bench_facts(config, prepared, gpu, server=facts))
-        answers = None
-        if config.answers.enabled:
-            report = answer_check(handle.base_url, server.served_model_name, config.answers,
-                                  model_dir=prepared.model_dir, last_good=last_run.answers if last_run else None,
-                                  same_commit=last_run is not None and last_run.commit == prepared.commit,
-                                  same_weights=same_weights, repo_id=config.repo_id, api_key=handle.api_key,
-                                  max_model_len=context_length(prepared.model_dir, config.vllm),
-                                  vocab_size=vocab_size(prepared.model_dir), settings=config.vllm)
-            answers = report.baseline
-            if not report.passed:
-                why = "; ".join(report.problems)
-                served = replace(served, record=publish_record(record_of([], answers, promoted=False).model_copy(
+        with Serving(handle=handle, keep_serving=config.keep_serving, stop=stop_vllm) as serving:
+            logger.info("vLLM ready at %s after %.0f s", handle.base_url, handle.startup_s)
+            served = replace(served, facts=bench_facts(config, prepared, gpu, server=facts))
+            answers = None
+            if config.answers.enabled:
+                report = answer_check(handle.base_url, server.served_model_name, config.answers,
+                                      model_dir=prepared.model_dir, last_good=last_run.answers if last_run else None,
+                                      same_commit=last_run is not None and last_run.commit == prepared.commit,
+                                      same_weights=same_weights, repo_id=config.repo_id, api_key=handle.api_key,
+                                      max_model_len=context_length(prepared.model_dir, config.vllm),
+                                      vocab_size=vocab_size(prepared.model_dir), settings=config.vllm)
+                answers = report.baseline
+                if not report.passed:
+                    why = "; ".join(report.problems)
+                    served = replace(served, record=publish_record(record_of([], answers, promoted=False).model_copy(
+                        update={"status": "failed", "note": why})))
+                    raise AnswerCheckFailed(f"{config.repo_id}@{prepared.commit[:12]}: {why}")
+                logger.info("answer check passed: %.0f%% of %d probes right", 100 * report.accuracy,
+                            len(report.results))
+            results_dir = (config.run_dir / "bench" / model_slug(config.repo_id)
+                           / datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ"))
+            served = replace(served, results_dir=results_dir)
+            vocab, gpus = vocab_size(prepared.model_dir), gpus_used(gpu, config.vllm)
+            swept = serving.sweep(config.bench, lambda c: bench_level(
+                handle.base_url, server.served_model_name, config.bench, concurrency=c, vocab_size=vocab,
+                tokenizer=prepared.model_dir, api_key=handle.api_key, results_dir=results_dir, gpus=gpus))
+            if swept.stop:
+                logger.info("%s; the sweep stops", swept.stop)
+            rows = swept.rows
+            served = replace(served, results=rows, stop=swept.stop)
+            publish_results(rows, config.repo_id, served.facts, results_dir=results_dir, stop=served.stop, gpus=gpus)
+            if failed := unusable_level(rows):
+                why = f"every request failed at concurrency {failed.concurrency}: {failed.first_error}"
+                served = replace(served, record=publish_record(record_of(rows, answers, promoted=False).model_copy(
                     update={"status": "failed", "note": why})))
-                raise AnswerCheckFailed(f"{config.repo_id}@{prepared.commit[:12]}: {why}")
-            logger.info("answer check passed: %.0f%% of %d probes right", 100 * report.accuracy, len(report.results))
-        results_dir = (config.run_dir / "bench" / model_slug(config.repo_id)
-                       / datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ"))
-        served = replace(served, results_dir=results_dir)
-        vocab, stops, gpus = vocab_size(prepared.model_dir), [], gpus_used(gpu, config.vllm)
-        rows = sweep(config.bench, lambda c: bench_level(handle.base_url, server.served_model_name, config.bench,
-                                                         concurrency=c, vocab_size=vocab, tokenizer=prepared.model_dir,
-                                                         api_key=handle.api_key, results_dir=results_dir, gpus=gpus),
-                     stops.append)
-        for reason in stops:
-            logger.info("%s; the sweep stops", reason)
-        served = replace(served, results=rows, stop=stops[0] if stops else None)
-        publish_results(rows, config.repo_id, served.facts, results_dir=results_dir, stop=served.stop, gpus=gpus)
-        if failed := unusable_level(rows):
-            why = f"every request failed at concurrency {failed.concurrency}: {failed.first_error}"
-            served = replace(served, record=publish_record(record_of(rows, answers, promoted=False).model_copy(
-                update={"status": "failed", "note": why})))
-            raise BenchmarkFailed(f"{config.repo_id}@{prepared.commit[:12]}: {why}")
-        record = check_regression(last_run, record_of(rows, answers), config.max_regression)
-        if record.status == "regressed":
-            record = record.model_copy(update={"unavailable_s": None})  # it will not go on serving
-        served = replace(served, record=publish_record(record))
-        if served.record.status == "regressed":
-            raise RegressionError(f"{config.repo_id}@{prepared.commit[:12]} {served.record.note}")
-    except BaseException as err:
-        stop_server(handle)  # not a task: on cancellation the run may create no more task runs
+                raise BenchmarkFailed(f"{config.repo_id}@{prepared.commit[:12]}: {why}")
+            record = check_regression(last_run, record_of(rows, answers), config.max_regression)
+            if record.status == "regressed":
+                record = record.model_copy(update={"unavailable_s": None})  # it will not go on serving
+            served = replace(served, record=publish_record(record))
+            if served.record.status == "regressed":
+                raise RegressionError(f"{config.repo_id}@{prepared.commit[:12]} {served.record.note}")
+    except BaseException as err:  # the server is stopped by then (Serving): SIGTERM, Ctrl-C, a cancel too
         return replace(served, error=err)
-    if not config.keep_serving:
-        stop_vllm(handle)
     return served
 
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
-from testkit.openai_server import StreamingServer
 
 from tasks.answers.check import (
     Probe,
@@ -21,6 +22,7 @@ from tasks.answers.check import (
 from tasks.answers.load import check_under_load
 from tasks.answers.spec import AnswerSpec
 from tasks.errors import UnusableInput
+from testkit.openai_server import StreamingServer
 
 SPEC = AnswerSpec()
 
@@ -148,3 +150,14 @@ def test_each_parser_the_server_runs_is_asked_once_and_raw_markup_fails(parsers)
             "'<|tool_calls_section_begin|><|tool_call_begin|>functions.get'",
             "the reasoning parser gave back no reasoning apart from the answer: "
             "'<think>17 + 25: 17 + 20 is 37, and 5 more is 42.</think>42'"]
+
+
+def test_under_load_is_not_tried_where_max_num_seqs_cannot_fill_the_cache():
+    # 20 slots of 1024 tokens, and a server that runs 2 sequences at once: 2 x 1024 of 20,480 tokens.
+    with StreamingServer(ttft_s=0.05, itl_s=0.02, slots=20, counting=True) as server:
+        started = time.monotonic()
+        loaded = check_under_load(server.base_url, "fake", COUNTING, idle=[], max_model_len=1024, vocab_size=1000,
+                                  max_num_seqs=2)
+        assert time.monotonic() - started < 5  # no long request queued behind two running ones until a timeout
+    assert loaded.skipped == ("at most 2 sequences run at once (max_num_seqs): 2 x 1024 tokens fill 10% of the KV "
+                              "cache, short of 90%") and loaded.fills == 0 and loaded.problems == []

@@ -42,8 +42,8 @@ def bench(
     from tasks.bench.prompts import level_prompts
     from tasks.bench.report import save_results
     from tasks.bench.spec import geometric_levels
-    from tasks.bench.sweep import sweep
     from tasks.orchestration.artifacts import model_slug
+    from tasks.serving import Serving
 
     if max_concurrency:
         options["concurrency_levels"] = ",".join(map(str, geometric_levels(max_concurrency)))
@@ -87,12 +87,12 @@ def bench(
                    + (f"  [{row.flags}]" if row.flags else ""))
         return row
 
-    stops: list[str] = []
-    rows = sweep(spec, level, stops.append)
+    with Serving(base_url=base_url) as serving:  # a server someone else runs: never stopped here
+        swept = serving.sweep(spec, level)
     facts = {"Server": base_url, "Load": spec.load}
-    save_results(rows, out, f"Benchmark of {model}", facts=facts, stop=stops[0] if stops else None)
+    save_results(swept.rows, out, f"Benchmark of {model}", facts=facts, stop=swept.stop)
     typer.echo("")
-    print_table(rows, stops[0] if stops else None)
+    print_table(swept.rows, swept.stop)
     typer.echo(f"\nresults: {out}")
 
 

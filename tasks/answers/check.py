@@ -214,7 +214,7 @@ def judge(results: list[ProbeResult], *, perplexity: float | None, thresholds: A
 def check_answers(base_url: str, model: str, spec: AnswerSpec, *, last_good: AnswerBaseline | None = None,
                   same_commit: bool = False, same_weights: bool = False, api_key: str | None = None,
                   max_model_len: int | None = None, vocab_size: int | None = None, tools: bool = False,
-                  reasoning: bool = False) -> AnswerReport:
+                  reasoning: bool = False, max_num_seqs: int | None = None) -> AnswerReport:
     """The whole check against a running server; the caller raises on `not report.passed`. With
     `spec.chat` the probes are asked a second time through /v1/chat/completions, in the model's
     served chat template: the path its users take, where a template that loses their message
@@ -236,7 +236,7 @@ def check_answers(base_url: str, model: str, spec: AnswerSpec, *, last_good: Ans
 
         loaded = check_under_load(base_url, model, probes, idle=results, max_model_len=max_model_len,
                                   vocab_size=vocab_size, max_tokens=spec.max_tokens, target=spec.load_target,
-                                  api_key=api_key)
+                                  api_key=api_key, max_num_seqs=max_num_seqs)
         report = report.model_copy(update={"under_load": loaded, "problems": report.problems + loaded.problems})
     return report
 

@@ -88,8 +88,10 @@ def _ask(http: httpx.Client, base_url: str, model: str, probe: Probe, max_tokens
 
 def check_under_load(base_url: str, model: str, probes: list[Probe], *, idle: list[ProbeResult], max_model_len: int,
                      vocab_size: int, max_tokens: int = 16, target: float = 0.9, timeout_s: float = 120.0,
-                     api_key: str | None = None) -> LoadedAnswers:
-    """Fill the KV cache past `target`, ask the probes, compare with their idle answers."""
+                     api_key: str | None = None, max_num_seqs: int | None = None) -> LoadedAnswers:
+    """Fill the KV cache past `target`, ask the probes, compare with their idle answers. A server that
+    runs fewer sequences at once (`max_num_seqs`) than it takes to fill the cache is not loaded at all:
+    the long requests would only queue, for up to `timeout_s`, and never reach the target."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     with httpx.Client(timeout=timeout_s, headers=headers) as http:
         try:
@@ -101,6 +103,10 @@ def check_under_load(base_url: str, model: str, probes: list[Probe], *, idle: li
                                  skipped="the server reports no KV cache size (vllm:cache_config_info)")
         generate = max(1, min(64, max_model_len // 8))  # the prompts alone fill the cache to ~90%
         fills = max(1, min(MAX_FILLS, math.floor(0.98 * capacity / max_model_len)))  # whole requests fit: no preemption
+        if max_num_seqs is not None and max_num_seqs * max_model_len < target * capacity:
+            return LoadedAnswers(target=target, kv_usage=None, fills=0, skipped=(
+                f"at most {max_num_seqs} sequences run at once (max_num_seqs): {max_num_seqs} x {max_model_len} "
+                f"tokens fill {max_num_seqs * max_model_len / capacity:.0%} of the KV cache, short of {target:.0%}"))
         prompts = _fill_prompts(fills, max_model_len - generate, vocab_size)
         stop, peak = threading.Event(), None
         with ThreadPoolExecutor(max_workers=fills + len(probes)) as pool:

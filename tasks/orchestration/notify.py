@@ -21,7 +21,7 @@ from tasks.errors import UnusableInput
 from tasks.host import host_name
 from tasks.orchestration.artifacts import model_slug, ui_link
 
-AUTOMATIONS = Path(__file__).resolve().parent.parent / "deployments" / "automations.yaml"
+AUTOMATIONS = Path(__file__).resolve().parents[2] / "deployments" / "automations.yaml"
 BLOCK_PLACEHOLDER = "NOTIFICATION_BLOCK"
 ROLLED_BACK = "rollout.deploy.rolled-back"
 

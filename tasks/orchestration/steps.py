@@ -225,7 +225,8 @@ def answer_check(base_url: str, model: str, spec: AnswerSpec, *, model_dir: Path
                            same_weights=same_weights, api_key=api_key, max_model_len=max_model_len,
                            vocab_size=vocab_size,
                            tools=bool(settings and settings.enable_auto_tool_choice and settings.tool_call_parser),
-                           reasoning=bool(settings and settings.reasoning_parser))
+                           reasoning=bool(settings and settings.reasoning_parser),
+                           max_num_seqs=settings.max_num_seqs if settings else None)
     artifacts.publish_answers(report, repo_id)
     return report
 

@@ -14,12 +14,11 @@ from tasks.answers.spec import AnswerSpec
 from tasks.bench.load import run_level
 from tasks.bench.results import LevelResult
 from tasks.bench.spec import BenchSpec
-from tasks.bench.sweep import knee, single_stream, sweep
 from tasks.errors import ServerStartError
 from tasks.findings import Violation
+from tasks.serving import Serving
 from tasks.tuning.space import Candidate
 from tasks.vllm.command import build_command, check_arguments
-from tasks.vllm.process import stop_server
 from tasks.vllm.readiness import start_and_wait
 from tasks.vllm.settings import ServerConfig, VllmSettings
 
@@ -72,26 +71,24 @@ def measure(candidate: Candidate, server: ServerConfig, run_dir: Path, *, timeou
     started = time.perf_counter()
     base = dict(name=candidate.name, settings=candidate.settings, gpus=gpus)
     try:
-        handle = start_and_wait(server, run_dir, timeout_s, api_key=api_key, report=report)
+        with Serving(start=lambda: start_and_wait(server, run_dir, timeout_s, api_key=api_key,
+                                                  report=report)) as serving:
+            handle, accuracy = serving.handle, None
+            if answers.enabled:
+                checked = check_answers(handle.base_url, server.served_model_name, answers.for_model(model_dir),
+                                        api_key=handle.api_key)
+                accuracy = checked.accuracy
+                if not checked.passed:
+                    return CandidateResult(**base, status="failed", cause="answer-check",
+                                           detail="; ".join(checked.problems), accuracy=accuracy,
+                                           startup_s=handle.startup_s, seconds=time.perf_counter() - started)
+            swept = serving.sweep(bench, lambda c: run_level(handle.base_url, server.served_model_name, bench,
+                                                             concurrency=c, vocab_size=vocab_size,
+                                                             tokenizer=model_dir, api_key=handle.api_key, gpus=gpus))
     except ServerStartError as err:
         return CandidateResult(**base, status="failed", cause=err.cause, detail=err.log_tail[-4000:],
                                seconds=time.perf_counter() - started)
-    try:
-        accuracy = None
-        if answers.enabled:
-            checked = check_answers(handle.base_url, server.served_model_name, answers.for_model(model_dir),
-                                    api_key=handle.api_key)
-            accuracy = checked.accuracy
-            if not checked.passed:
-                return CandidateResult(**base, status="failed", cause="answer-check",
-                                       detail="; ".join(checked.problems), accuracy=accuracy,
-                                       startup_s=handle.startup_s, seconds=time.perf_counter() - started)
-        rows = sweep(bench, lambda c: run_level(handle.base_url, server.served_model_name, bench, concurrency=c,
-                                                vocab_size=vocab_size,
-                                                tokenizer=model_dir, api_key=handle.api_key, gpus=gpus))
-    finally:
-        stop_server(handle)
-    best, single = knee(rows), single_stream(rows)
+    rows, best, single = swept.rows, swept.knee, swept.single_stream
     return CandidateResult(**base, status="measured", startup_s=handle.startup_s, accuracy=accuracy, levels=rows,
                            single_stream_tok_s=single.output_throughput if single else None,
                            peak_tok_s=best.output_throughput if best else None,
