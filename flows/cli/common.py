@@ -171,6 +171,13 @@ def check_hub(repo_id: str, revision: str, endpoint: str | None) -> None:
         fail(exc)
 
 
+def check_before_the_flow(config: DeployConfig) -> None:
+    """What a command checks in seconds before its flow starts Prefect: the models root's parent,
+    then the hub and the repo (a typo fails in a second, not after the embedded server starts)."""
+    check_models_root(config.models_root)
+    check_hub(config.repo_id, config.revision, config.hub_endpoint)
+
+
 def print_table(results: list[LevelResult], stop: str | None) -> None:
     """The headline figures (95% intervals as ±), then what they mean in words."""
     from tasks.bench.report import headline_table, verdict_lines

@@ -19,6 +19,7 @@ from flows.cli.common import (
     STAGE,
     RepoId,
     app,
+    check_before_the_flow,
     check_hub,
     check_models_root,
     check_prefect,
@@ -119,8 +120,7 @@ def prepare(
     exit_on_sigterm()
     check_prefect()
     config = from_options(STAGE, options, repo_id=repo_id)
-    check_models_root(config.models_root)
-    check_hub(config.repo_id, config.revision, config.hub_endpoint)
+    check_before_the_flow(config)
     try:
         prepared = prepare_model(config)
     except Exception as exc:
@@ -148,8 +148,7 @@ def deploy(repo_id: RepoId, **options) -> None:
     exit_on_sigterm()
     check_prefect()
     config = deploy_config(repo_id, options)
-    check_models_root(config.models_root)
-    check_hub(config.repo_id, config.revision, config.hub_endpoint)
+    check_before_the_flow(config)
     try:
         result = deploy_model(config)
     except Exception as exc:
