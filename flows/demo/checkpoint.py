@@ -8,6 +8,12 @@ tensor names and dtypes it will see on the 595 GB model.
 The bf16 model is trained, briefly, to count on ("41 42 43" -> " 44 45 46"), so that its answers
 can be checked: a healthy copy answers its probes, a damaged one does not. Counting is a task a
 two-layer MoE learns in about 15 s on two cores, on the locally trained tokenizer.
+
+Counting is a lookup from one number to the next: it survives damage to the routed experts, the
+attention and the positions. `cycles=True` trains a model whose probes need all three (period-7
+cycles over three numbers, the routed experts doing all the MLP work, attention trained slowly);
+in transformers every such damage breaks it (benchmarks/damage.py). It is not the demo's model:
+vLLM's CPU build (0.32) answers its cycles wrong even undamaged (docs/answer-check.md).
 """
 
 from __future__ import annotations
@@ -65,9 +71,14 @@ _CORPUS_WORDS = (
 ).split()
 
 
-NUMBERS = [str(n) for n in range(100)]  # the counting task's words: one token each
-COUNT_LEN = 12  # numbers per training sequence
-TRAIN_STEPS = 300
+NUMBERS = [str(n) for n in range(100)]  # the tasks' words: one token each
+COUNT_LEN = 12  # numbers per counting sequence
+TRAIN_STEPS = 300  # counting alone: batches of 32
+# With cycles: a period-7 cycle over 3 numbers, 16 tokens per training sequence; 800 steps, each 8
+# counting and 24 cycle sequences; attention at 0.15x the learning rate (trained faster, it shrugged
+# off noise).
+CYCLE, CYCLE_VALUES, CYCLE_LEN = 7, 3, 16
+CYCLE_STEPS, LEARNING_RATE, ATTENTION_LR = 800, 2e-3, 0.15
 PROBES_FILE = SHIPPED_PROBES  # the probe set ships with the model, in its repo
 # A base model's chat template: the messages' text as it is, so that a chat user's "41 42 43" reaches
 # the model as the same tokens as the completion prompt, and the answer check can ask both ways.
@@ -78,9 +89,27 @@ def counting(start: int, length: int) -> str:
     return " ".join(NUMBERS[start:start + length])
 
 
+def cycle(rng, length: int) -> str:
+    """A period-7 cycle over three numbers, `length` tokens: "32 94 94 94 94 79 32 32 94 ..."."""
+    values = rng.sample(NUMBERS, CYCLE_VALUES)
+    period = [rng.choice(values) for _ in range(CYCLE)]
+    while len(set(period)) == 1:
+        period = [rng.choice(values) for _ in range(CYCLE)]
+    return " ".join(period[i % CYCLE] for i in range(length))
+
+
 def counting_probes() -> list[dict[str, str]]:
     """The demo model's probe set: three numbers, and the three that follow."""
     return [{"prompt": counting(a, 3), "expected": " " + counting(a + 3, 3)} for a in range(0, 94, 3)]
+
+
+def cycle_probes() -> list[dict[str, str]]:
+    """A cycle model's further probes: one period of a cycle and a token, and the three that follow."""
+    import random
+
+    rng = random.Random(1234)
+    cycles = [cycle(rng, CYCLE + 4).split() for _ in range(32)]
+    return [{"prompt": " ".join(c[:CYCLE + 1]), "expected": " " + " ".join(c[CYCLE + 1:])} for c in cycles]
 
 
 def train_tokenizer(out_dir: Path, vocab_size: int, seed: int) -> None:
@@ -106,10 +135,9 @@ def train_tokenizer(out_dir: Path, vocab_size: int, seed: int) -> None:
     fast.save_pretrained(out_dir)
 
 
-def build_bf16(out_dir: Path, seed: int = 0) -> Path:
-    """A bf16 checkpoint trained to count on, plus its tokenizer; returns the directory."""
-    import random
-
+def build_bf16(out_dir: Path, seed: int = 0, *, cycles: bool = False) -> Path:
+    """A bf16 checkpoint trained to count on (and, with `cycles`, to continue period-7 cycles), its
+    tokenizer and its probes; returns the directory."""
     import torch
     from transformers import AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -117,8 +145,20 @@ def build_bf16(out_dir: Path, seed: int = 0) -> Path:
     train_tokenizer(out_dir, TINY_CONFIG["vocab_size"], seed)
     tokenizer = AutoTokenizer.from_pretrained(out_dir)
     torch.manual_seed(seed)
-    rng = random.Random(seed)
     model = DeepseekV3ForCausalLM(DeepseekV3Config(**TINY_CONFIG, bos_token_id=0, eos_token_id=1))
+    (_train_with_cycles if cycles else _train_counting)(model, tokenizer, seed)
+    model.to(torch.bfloat16).save_pretrained(out_dir)
+    probes = counting_probes() + (cycle_probes() if cycles else [])
+    (out_dir / PROBES_FILE).write_text("".join(json.dumps(p) + "\n" for p in probes))
+    return out_dir
+
+
+def _train_counting(model, tokenizer, seed: int) -> None:
+    import random
+
+    import torch
+
+    rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for _ in range(TRAIN_STEPS):
         batch = torch.tensor([tokenizer(counting(rng.randrange(100 - COUNT_LEN), COUNT_LEN))["input_ids"]
@@ -127,9 +167,41 @@ def build_bf16(out_dir: Path, seed: int = 0) -> Path:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    model.to(torch.bfloat16).save_pretrained(out_dir)
-    (out_dir / PROBES_FILE).write_text("".join(json.dumps(p) + "\n" for p in counting_probes()))
-    return out_dir
+
+
+def _train_with_cycles(model, tokenizer, seed: int) -> None:
+    """Counting and cycles, the routed experts doing all the MLP work: the dense layer's MLP and the
+    shared expert are held at zero (zeros in the checkpoint)."""
+    import random
+
+    import torch
+
+    rng = random.Random(seed)
+    for mlp in (model.model.layers[0].mlp, model.model.layers[1].mlp.shared_experts):
+        mlp.down_proj.weight.data.zero_()
+        mlp.requires_grad_(False)
+    attention = [p for n, p in model.named_parameters() if p.requires_grad and "self_attn" in n]
+    rest = [p for n, p in model.named_parameters() if p.requires_grad and "self_attn" not in n]
+    optimizer = torch.optim.AdamW([{"params": rest}, {"params": attention}], lr=LEARNING_RATE)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=[LEARNING_RATE, LEARNING_RATE * ATTENTION_LR],
+                                                   total_steps=CYCLE_STEPS, pct_start=0.1)
+
+    def batch(texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids padded with eos, and labels that ignore the padding."""
+        ids = [tokenizer(text)["input_ids"] for text in texts]
+        width = max(map(len, ids))
+        return (torch.tensor([i + [1] * (width - len(i)) for i in ids]),
+                torch.tensor([i + [-100] * (width - len(i)) for i in ids]))
+
+    for _ in range(CYCLE_STEPS):
+        # Counting starts anywhere up to 93, as the probes do, and stops at 99.
+        counts = batch([" ".join(NUMBERS[a:a + COUNT_LEN]) for a in (rng.randrange(94) for _ in range(8))])
+        cycles = batch([cycle(rng, CYCLE_LEN) for _ in range(24)])
+        loss = sum(model(input_ids=ids, labels=labels).loss for ids, labels in (counts, cycles))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        schedule.step()
 
 
 def _quantize_int4(weight: "torch.Tensor") -> dict[str, "torch.Tensor"]:
