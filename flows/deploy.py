@@ -83,7 +83,7 @@ from tasks.orchestration.steps import (
 from tasks.serving import Serving
 from tasks.vllm.command import warming_option_table
 from tasks.vllm.gap import GapProbe, Unavailability
-from tasks.vllm.process import reap_stale, serving_headless
+from tasks.vllm.process import reap_stale, serving_group, serving_headless
 from tasks.vllm.readiness import slow_start
 from tasks.vllm.settings import ServerConfig
 
@@ -147,12 +147,23 @@ def _deploy(config: DeployConfig) -> tuple[DeployResult | None, DeployReport]:
                              error=served.error)
     except BaseException as err:  # SIGTERM, Ctrl-C and a cancel too: the summary says how the run ended
         return None, replace(report, serving_before=_what(previous), commit=prepared.commit if prepared else None,
-                             error=err)
+                             previous_stopped=_stopped(previous, config.run_dir), error=err)
     report = replace(report, serving_before=_what(previous))
     if report.error is not None:
         return None, report
     return DeployResult(prepared=prepared, platform=gpu.platform, results=served.results, sweep_end=served.stop,
                         record=served.record, base_url=report.base_url), report
+
+
+def _stopped(previous: LastGood | None, run_dir: Path) -> bool:
+    """Whether the server that served before the run no longer does: asked of the host (its process
+    group), not of the steps that ran; a host that cannot say is taken as serving nothing."""
+    if previous is None:
+        return False
+    try:
+        return serving_group(run_dir / "server.json") != previous.serving_pgid
+    except Exception:
+        return True
 
 
 def _what(deployment: LastGood | None) -> str | None:
