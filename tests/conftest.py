@@ -10,6 +10,10 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 # The test server serves no UI, but links to it (artifacts, notifications) are built from this URL.
 os.environ.setdefault("PREFECT_UI_URL", "http://127.0.0.1:4200")
+# vLLM's one worker runs inside its engine process (the CPU build allows its uniproc executor only
+# with this): a third Python process's imports cost ~6 s of each ~18 s start on two cores, and the
+# suite starts vLLM some sixty times. test_server_real keeps vLLM's default layout, a worker apart.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # Every vLLM this session starts inherits the mark, so process checks see only this session's own.
 os.environ["ROLLOUT_TEST_SESSION"] = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
 

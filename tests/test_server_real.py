@@ -16,7 +16,7 @@ from tasks.vllm.process import group_members, reap_stale, start_server, stop_ser
 from tasks.vllm.readiness import wait_ready
 from tasks.vllm.settings import ServerConfig
 
-CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # vLLM's own layout
 
 
 def _config(model_dir, **kw) -> ServerConfig:

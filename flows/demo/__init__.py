@@ -45,8 +45,11 @@ def demo_config(endpoint: str, models_root: Path, **overrides):
     # A KV cache of ~36K tokens (2,304 bytes a token: MLA's 576 bf16 values in 2 layers), not 1 GiB's
     # 466K: the sweep's 256 x 96 tokens fit, and the answer check under load fills it with 34
     # requests, not 256 that never reach 90%.
+    # One worker, run inside the engine process (vLLM's uniproc executor, which its CPU build allows
+    # only with VLLM_ENABLE_V1_MULTIPROCESSING=0): a third Python process's imports cost ~6 s of an
+    # ~18 s start on two cores (12 s without). GPU hosts keep vLLM's default.
     vllm = dict(tensor_parallel_size=1, enable_expert_parallel=True, max_model_len=1024, enforce_eager=True,
-                cpus=server_cpus, kv_cache_memory_bytes=80 * 2**20)
+                cpus=server_cpus, kv_cache_memory_bytes=80 * 2**20, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     vllm |= {k: overrides.pop(k) for k in list(overrides) if k in VllmSettings.model_fields}
     # Two CPU cores saturate early; the demo sweeps until throughput stops growing. A level of 3 s
     # holds ten or more requests per slot at the demo model's pace: a steady state to measure.
