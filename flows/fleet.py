@@ -9,19 +9,27 @@ mirror, so the Hub is read once per rollout.
 """
 
 # No `from __future__ import annotations`: Prefect builds the parameter form from real annotations.
-from prefect import flow, get_run_logger
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
 
 from tasks.errors import FleetRolloutFailed
 from tasks.fleet.hosts import FleetConfig
-from tasks.fleet.rollout import HostOutcome, fleet_rows, verdict
+from tasks.fleet.rollout import FleetReport, HostOutcome, fleet_rows, verdict
+from tasks.fleet.router import HAProxy, RouterConfig, RouterReading, Traffic, rotation
 from tasks.orchestration.artifacts import publish_fleet
 from tasks.orchestration.run_labels import label_run
 from tasks.orchestration.steps import deploy_on_host, hub_token, resolve_revision
 
 
+@task(name="read-router", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
+def read_router(router: RouterConfig) -> RouterReading:
+    """The router's counters: read before the first wave and after the last, they are the clients' view."""
+    return HAProxy(router).read()
+
+
 @flow(name="fleet-rollout")
-def fleet_rollout(config: FleetConfig) -> list[HostOutcome]:
-    """Returns each host's outcome; a host that did not end serving fails the run after the artifact."""
+def fleet_rollout(config: FleetConfig) -> FleetReport:
+    """Returns the report; a host that did not end serving fails the run after the artifact."""
     logger = get_run_logger()
     deploy = config.deploy
     label_run(deploy.repo_id, deploy.revision, prefix="fleet ")
@@ -31,19 +39,26 @@ def fleet_rollout(config: FleetConfig) -> list[HostOutcome]:
     canary = config.hosts[0]
     if len(config.hosts) > 1 and not canary.mirror:
         logger.warning("the canary %s has no mirror: every host reads the Hub", canary.name)
+    before = read_router(config.router) if config.router else None
     outcomes: list[HostOutcome] = []
     for wave, hosts in enumerate(config.waves(), start=1):
         mirror = canary.mirror if wave > 1 else None
         logger.info("wave %d: %s", wave, ", ".join(h.name for h in hosts))
         futures = [deploy_on_host.submit(host, wave, config.host_config(host, commit, mirror),
-                                         pickup_deadline_s=config.pickup_deadline_s) for host in hosts]
+                                         pickup_deadline_s=config.pickup_deadline_s, router=config.router)
+                   for host in hosts]
         outcomes += [future.result() for future in futures]
         if not all(o.serving for o in outcomes):
             break
-    said = verdict(deploy.repo_id, commit, config.hosts, outcomes=outcomes)
-    publish_fleet(deploy.repo_id, commit, said, rows=fleet_rows(outcomes, config.hosts, config.outlier_slowdown),
-                  mirror=canary.mirror if len(config.hosts) > 1 else None)
-    logger.info(said)
-    if not all(o.serving for o in outcomes):
-        raise FleetRolloutFailed(said)
-    return outcomes
+    after = read_router(config.router) if config.router else None
+    report = FleetReport(
+        deploy.repo_id, commit, verdict(deploy.repo_id, commit, config.hosts, outcomes=outcomes), outcomes,
+        rows=fleet_rows(outcomes, config.hosts, slowdown=config.outlier_slowdown,
+                        at_router={name: rotation(s) for name, s in after.servers.items()} if after else None),
+        mirror=canary.mirror if len(config.hosts) > 1 else None,
+        traffic=Traffic.between(before, after, frontend=bool(config.router.frontend)) if after else None)
+    publish_fleet(report)
+    logger.info(report.verdict)
+    if not report.rolled_out:
+        raise FleetRolloutFailed(report.verdict)
+    return report

@@ -70,7 +70,7 @@ def test_the_verdict_and_table_say_where_a_rollout_stopped_and_which_hosts_it_ne
     said = verdict("org/model", "c" * 40, fleet.hosts, outcomes=outcomes)
     assert said == ("Stopped: org/model@cccccccccccc failed on box-3 in wave 2: Rolled back: org/model@cccc failed "
                     "at the vLLM start; untouched, serving what they served: box-4, box-5")
-    rows = fleet_rows(outcomes, fleet.hosts, 0.2)
+    rows = fleet_rows(outcomes, fleet.hosts, slowdown=0.2)
     assert [(r["host"], r["wave"], r["status"]) for r in rows] == [
         ("box-1", 1, "serving"), ("box-2", 2, "serving"), ("box-3", 2, "rolled back"), ("box-4", None, "untouched"),
         ("box-5", None, "untouched")]

@@ -64,7 +64,6 @@ def fleet(
     from prefect.settings import PREFECT_API_URL
 
     from flows.fleet import fleet_rollout
-    from tasks.fleet.rollout import fleet_rows
 
     if not PREFECT_API_URL.value():
         typer.echo("error: rollout fleet runs each host's deploy through its worker: set PREFECT_API_URL to the "
@@ -83,15 +82,16 @@ def fleet(
     exit_on_sigterm()
     check_prefect()
     try:
-        outcomes = fleet_rollout(config)
+        report = fleet_rollout(config)
     except Exception as exc:
         fail(exc)
     import pandas as pd
 
-    rows = [{k: v for k, v in row.items() if k not in ("flow_run_id", "failures", "verdict")}
-            for row in fleet_rows(outcomes, config.hosts, config.outlier_slowdown)]
+    rows = [{k: v for k, v in row.items() if k not in ("flow_run_id", "failures", "verdict")} for row in report.rows]
     with pd.option_context("display.width", 250, "display.max_columns", None):
         typer.echo(pd.DataFrame(rows).to_string(index=False, na_rep="-"))
+    for line in report.traffic_lines():
+        typer.echo(line.replace("**", "").removeprefix("- "))
 
 
 @app.command()

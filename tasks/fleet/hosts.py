@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from tasks.deployment.config import DeployConfig
 from tasks.errors import UnusableInput
+from tasks.fleet.router import RouterConfig
 from tasks.host import HOST_ENV
 from tasks.vllm.settings import VllmSettings
 
@@ -30,6 +31,7 @@ class FleetHost(BaseModel):
     work_pool: str | None = Field(None, description="Its Prefect work pool; empty: the host's name")
     models_root: Path = Field(Path("/models"), description="Its filesystem for the HF cache")
     port: int = Field(8000, ge=1, le=65535, description="Where its vLLM serves")
+    address: str | None = Field(None, description="Where the router reaches it; empty: its name")
     gpu_type: str = Field("", description="Its GPUs, e.g. 8x RTX PRO 6000 (SM120, 96 GB); hosts of a type are "
                                           "compared with each other")
     mirror: str | None = Field(None, description="URL of its `rollout mirror`: the hosts after it fetch there when "
@@ -62,6 +64,8 @@ class FleetConfig(BaseModel):
                                                                  "GPU type is flagged")
     pickup_deadline_s: float = Field(600, gt=0, description="A host's deploy run that no worker has taken by then is "
                                                             "cancelled and stops the rollout")
+    router: RouterConfig | None = Field(None, description="The router in front of the hosts: each host is drained "
+                                                          "there before its swap and admitted after")
 
     def waves(self) -> list[list[FleetHost]]:
         rest = self.hosts[1:]
@@ -84,6 +88,8 @@ class HostsFile(BaseModel):
     wave_size: int = Field(2, ge=1)
     fleet_pool: str | None = Field(None, description="Where the fleet rollout and the comparison run; empty: the "
                                                      "first host's pool")
+    router: RouterConfig | None = Field(None, description="HAProxy in front of the hosts (its backend's servers are "
+                                                          "named as the hosts)")
 
     @classmethod
     def read(cls, path: Path) -> HostsFile:
@@ -105,7 +111,8 @@ class HostsFile(BaseModel):
         return hosts
 
     def fleet(self, **changes) -> FleetConfig:
-        return FleetConfig(deploy=self.model, hosts=self.hosts, wave_size=self.wave_size, **changes)
+        router = {"router": self.router} if self.router else {}  # unset otherwise: prefect.yaml shows no null
+        return FleetConfig(deploy=self.model, hosts=self.hosts, wave_size=self.wave_size, **router, **changes)
 
     def prefect_yaml(self) -> dict:
         """The deployments of every host and of the fleet, as `prefect deploy --all` reads them."""

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 
 from tasks.fleet.hosts import FleetHost
+from tasks.fleet.router import Traffic
 from tasks.history.runs import RunRecord
 
 
@@ -23,6 +25,7 @@ class HostOutcome:
     record: RunRecord | None = None
     fetched: dict[str, int] = field(default_factory=dict)  # files by where they came from: hub, mirror, cache
     mirror_failures: list[str] = field(default_factory=list)  # "file: why" for each file the mirror failed
+    drained_s: float | None = None  # behind a router: how long its requests in flight took to finish
 
     @property
     def status(self) -> str:
@@ -78,8 +81,10 @@ def _short(host_verdict: str) -> str:
     return ": ".join(host_verdict.split(": ")[:2])
 
 
-def fleet_rows(outcomes: list[HostOutcome], hosts: list[FleetHost], slowdown: float) -> list[dict]:
-    """One row per host, those the rollout never reached included (wave and status say so)."""
+def fleet_rows(outcomes: list[HostOutcome], hosts: list[FleetHost], *, slowdown: float,
+               at_router: dict[str, str] | None = None) -> list[dict]:
+    """One row per host, those the rollout never reached included (wave and status say so); behind a
+    router, each host's place there at the end ("in rotation", or why it is out)."""
     flags = outliers(outcomes, slowdown)
     by_name = {o.host.name: o for o in outcomes}
     rows = []
@@ -96,7 +101,40 @@ def fleet_rows(outcomes: list[HostOutcome], hosts: list[FleetHost], slowdown: fl
             "fetched from": ", ".join(f"{s} {n}" for s, n in o.fetched.items() if n) if o else "",
             "mirror failures": len(o.mirror_failures) if o else 0,
             "outlier": flags.get(host.name, ""),
+            "router": (at_router or {}).get(host.name, ""),
             "failures": o.mirror_failures if o else [],
             "verdict": o.verdict if o else "",
         })
     return rows
+
+
+@dataclass(frozen=True)
+class FleetReport:
+    """A rollout as the fleet artifact and `rollout fleet` tell it: the verdict, a row per host, and
+    behind a router what the fleet's clients went through meanwhile."""
+
+    repo_id: str
+    commit: str
+    verdict: str
+    outcomes: list[HostOutcome]
+    rows: list[dict]
+    mirror: str | None = None  # the canary's, which the hosts after it read
+    traffic: Traffic | None = None
+
+    @property
+    def rolled_out(self) -> bool:
+        return all(o.serving for o in self.outcomes)
+
+    def traffic_lines(self) -> list[str]:
+        """The clients' view through the router, for the artifact and the shell."""
+        t = self.traffic
+        if t is None:
+            return []
+        out = ", ".join(t.out_of_rotation) if t.out_of_rotation else "none"
+        window = " to ".join(datetime.fromtimestamp(at, timezone.utc).strftime("%H:%M:%S.%f")[:-3]
+                             for at in (t.since, t.until))
+        return [f"- **Through the router during the rollout** ({window} UTC): {t.requests:,} requests, "
+                f"{t.failed:,} failed (5xx answered or cut mid-response)",
+                f"- **Router's mean response time:** {t.mean_response_ms_before:,} ms before, "
+                f"{t.mean_response_ms_after:,} ms after (its last 1,024 requests)",
+                f"- **Out of rotation at the end:** {out}"]

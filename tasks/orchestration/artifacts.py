@@ -33,6 +33,7 @@ from tasks.deployment.summary import DeployReport
 from tasks.disk import GB, DiskPlan, EvictionResult, plan_summary
 from tasks.errors import ServerStartError
 from tasks.findings import Violation
+from tasks.fleet.rollout import FleetReport
 from tasks.gpu import GpuProbe, HardwarePlan
 from tasks.history.chart import history_chart
 from tasks.history.runs import RunRecord, newest_regressed, readable
@@ -337,16 +338,19 @@ def publish_nightly(repo_id: str, revision: str, verdict: str, *, body: str, dep
 
 
 # The fleet
-def publish_fleet(repo_id: str, commit: str, verdict: str, *, rows: list[dict], mirror: str | None) -> None:
-    """`fleet-<model>`: the verdict, then a row per host with its run linked; every mirror failure named."""
+def publish_fleet(report: FleetReport) -> None:
+    """`fleet-<model>`: the verdict, then a row per host with its run linked; every mirror failure named;
+    behind a router, the clients' view of the rollout."""
+    rows = report.rows
     table = pd.DataFrame([{**{k: v for k, v in row.items() if k not in ("flow_run_id", "failures", "verdict")},
                            "run": run_link(row["flow_run_id"], "run") if row["flow_run_id"] else "-"}
                           for row in rows])
     table = table[[c for c in table.columns if c == "host" or table[c].astype(bool).any()]]  # drop empty columns
-    lines = [f"# {verdict}", "", f"- **Revision:** `{repo_id}@{commit}`",
+    mirror = report.mirror
+    lines = [f"# {report.verdict}", "", f"- **Revision:** `{report.repo_id}@{report.commit}`",
              f"- **Canary:** {rows[0]['host']}; the hosts after it fetched from "
              + (f"its mirror {mirror}, each file held to the Hub's sha256" if mirror else "the Hub (no mirror set)"),
-             "", _markdown_table(table)]
+             *report.traffic_lines(), "", _markdown_table(table)]
     stopped = [row for row in rows if row["status"] not in ("serving", "untouched")]
     if stopped:
         lines += ["", "**Why it stopped:**", ""] + [f"- {row['host']}: {row['verdict']}" for row in stopped]
@@ -354,4 +358,5 @@ def publish_fleet(repo_id: str, commit: str, verdict: str, *, rows: list[dict], 
     if failures:
         lines += ["", f"**Mirror failures ({len(failures)})**, each file then fetched from the Hub and verified:", ""]
         lines += [f"- {host}: {what}" for host, what in failures]
-    create_markdown_artifact(key=f"fleet-{model_slug(repo_id)}", markdown="\n".join(lines), description=verdict[:250])
+    create_markdown_artifact(key=f"fleet-{model_slug(report.repo_id)}", markdown="\n".join(lines),
+                             description=report.verdict[:250])

@@ -5,6 +5,8 @@ tags, and the artifact it publishes. Flows call these; the domain modules never 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -29,6 +31,7 @@ from tasks.errors import GpuConfigError, HostUnreachable, ServerStartError, Vali
 from tasks.findings import Violation
 from tasks.fleet.hosts import FleetHost
 from tasks.fleet.rollout import HostOutcome
+from tasks.fleet.router import HAProxy, RouterConfig, rotation
 from tasks.gpu import (
     GpuProbe,
     HardwarePlan,
@@ -322,12 +325,31 @@ def run_on_host(deployment: str, parameters: dict, pickup_deadline_s: float, *,
 
 
 @task(name="deploy-on-host", task_run_name="deploy on {host.name}", cache_policy=NO_CACHE)
-def deploy_on_host(host: FleetHost, wave: int, config: DeployConfig, *, pickup_deadline_s: float) -> HostOutcome:
+def deploy_on_host(host: FleetHost, wave: int, config: DeployConfig, *, pickup_deadline_s: float,
+                   router: RouterConfig | None = None) -> HostOutcome:
     """Run the host's own deploy deployment on its work pool, wait for it, and read what it published.
 
     The child run is the host's whole deploy (fetch, validation, answer check, sweep, gate, rollback),
     run by that host's worker; this task only waits. Its failure is an outcome, not this task's.
+    Behind a router the host is drained first and admitted after, whatever the deploy ended with: the
+    router's health check then keeps a host that serves nothing out of rotation.
     """
+    if router is None:
+        return _deploy_on_host(host, wave, config, pickup_deadline_s=pickup_deadline_s)
+    at_router = HAProxy(router)
+    drained_s = at_router.drain(host.name)
+    get_run_logger().info("%s: drained at the router in %.1f s", host.name, drained_s)
+    outcome = None
+    try:
+        outcome = _deploy_on_host(host, wave, config, pickup_deadline_s=pickup_deadline_s)
+    finally:
+        admitted = at_router.admit(host.name)
+        get_run_logger().log(logging.INFO if admitted.in_rotation else logging.ERROR,
+                             "%s: %s at the router", host.name, rotation(admitted))
+    return dataclasses.replace(outcome, drained_s=drained_s)
+
+
+def _deploy_on_host(host: FleetHost, wave: int, config: DeployConfig, *, pickup_deadline_s: float) -> HostOutcome:
     try:
         run = run_on_host(f"deploy-model/{host.name}", {"config": config.model_dump(mode="json")}, pickup_deadline_s,
                           tags=[f"fleet-wave:{wave}"])

@@ -78,6 +78,8 @@ class StreamingServer:
         elif path == "/reset_prefix_cache" and self.resets:
             self.cached.clear()
             await self._plain(send, b"")
+        elif path == "/health":  # as vLLM's: 200 while it serves (a router's health check asks here)
+            await self._plain(send, b"")
         elif path == "/v1/models":
             await self._plain(send, json.dumps({"object": "list", "data": [{"id": "fake", "object": "model"}]}).encode())
         elif path in ("/v1/completions", "/v1/chat/completions"):

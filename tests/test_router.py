@@ -1,0 +1,79 @@
+"""The router's part of a rollout against a real HAProxy, with the project's fake OpenAI servers as
+hosts and a steady client load through it: a drained host swaps without one failed request; a host
+that dies mid-stream is taken out by the health check, and the router counts the requests it cut as
+the clients do; a host that serves nothing is kept out, in maintenance."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+from testkit.openai_server import StreamingServer
+from testkit.prefect_processes import free_port
+from testkit.router import SteadyLoad, haproxy
+
+from tasks.fleet.router import HAProxy, Traffic, rotation
+
+
+def _until(condition, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+    return value
+
+
+def _host(port: int) -> StreamingServer:
+    """A host's server: 20 tokens take ~0.45 s, so some are always in flight under the load."""
+    return StreamingServer(ttft_s=0.05, itl_s=0.02, port=port)
+
+
+def test_drain_swap_admit_under_load_then_a_host_dies_and_one_serves_nothing(tmp_path):
+    ports = {"host-a": free_port(), "host-b": free_port()}
+    front = free_port()
+    with contextlib.ExitStack() as hosts:
+        servers = {name: hosts.enter_context(_host(port)) for name, port in ports.items()}
+        router = hosts.enter_context(haproxy([(n, "127.0.0.1", p) for n, p in ports.items()], work_dir=tmp_path,
+                                             port=front))
+        at = HAProxy(router)
+        assert all(at.admit(name).in_rotation for name in ports)
+
+        # Drain, swap, admit, under a steady load: not one request fails.
+        with SteadyLoad(f"http://127.0.0.1:{front}", "fake", streams=4, max_tokens=20) as load:
+            _until(lambda: len(load.requests) > 20)
+            before = at.read()
+            drained_s = at.drain("host-a")  # no new requests; those in flight finish first
+            assert at.server("host-a").status == "DRAIN" and at.server("host-a").current == 0 and drained_s < 5
+            servers["host-a"].__exit__()  # the swap: the old server stops, the next one starts on its port
+            servers["host-a"] = hosts.enter_context(_host(ports["host-a"]))
+            admitted = at.admit("host-a")
+            assert admitted.in_rotation and rotation(admitted) == "in rotation"
+            served = at.server("host-a").requests
+            _until(lambda: at.server("host-a").requests > served + 5)  # it takes its share again
+            after = at.read()
+        traffic = Traffic.between(before, after, frontend=True)
+        seen = load.between(before.at, after.at)
+        assert [r.error for r in load.failed_between(before.at, after.at)] == [] and traffic.failed == 0
+        assert abs(traffic.requests - len(seen)) <= 4  # the requests in flight at either reading
+        assert traffic.out_of_rotation == ()
+
+        # A host dies mid-stream: the router's health check takes it out within ~1 s, and its count
+        # of the requests cut is the clients' count.
+        with SteadyLoad(f"http://127.0.0.1:{front}", "fake", streams=4, max_tokens=20) as load:
+            _until(lambda: len(load.requests) > 20)
+            before = at.read()
+            _until(lambda: at.server("host-b").current >= 1)  # streams in flight there
+            servers["host-b"].__exit__()  # kill -9
+            _until(lambda: at.server("host-b").status == "DOWN", timeout_s=5)
+            settled = len(load.requests)
+            _until(lambda: len(load.requests) > settled + 10)
+            after = at.read()
+        traffic = Traffic.between(before, after, frontend=True)
+        failed = load.failed_between(before.at, after.at)
+        assert 1 <= len(failed) <= 4 and traffic.failed == len(failed), (traffic, [r.error for r in failed])
+        assert traffic.out_of_rotation == ("host-b",)
+
+        # Admitted with nothing serving: the health check keeps it out, and maintenance keeps it there.
+        kept_out = at.admit("host-b", timeout_s=3)
+        assert kept_out.status == "MAINT" and not kept_out.in_rotation
+        assert rotation(kept_out) == "out of rotation: it failed the router's health check, kept in maintenance"
