@@ -18,7 +18,7 @@ from tasks.fleet.rollout import FleetReport, HostOutcome, fleet_rows, verdict
 from tasks.fleet.router import HAProxy, RouterConfig, RouterReading, Traffic, rotation
 from tasks.orchestration.artifacts import publish_fleet
 from tasks.orchestration.run_labels import label_run
-from tasks.orchestration.steps import deploy_on_host, hub_token, resolve_revision
+from tasks.orchestration.steps import canary_on_live_traffic, deploy_on_host, hub_token, resolve_revision
 
 
 @task(name="read-router", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
@@ -48,6 +48,10 @@ def fleet_rollout(config: FleetConfig) -> FleetReport:
                                          pickup_deadline_s=config.pickup_deadline_s, router=config.router)
                    for host in hosts]
         outcomes += [future.result() for future in futures]
+        if wave == 1 and outcomes[0].serving and config.router and config.router.canary_window_s and config.hosts[1:]:
+            outcomes[0] = canary_on_live_traffic(config.router, outcomes[0], rest=config.hosts[1:],
+                                                 what=f"{deploy.repo_id}@{commit[:12]}",
+                                                 pickup_deadline_s=config.pickup_deadline_s)
         if not all(o.serving for o in outcomes):
             break
     after = read_router(config.router) if config.router else None

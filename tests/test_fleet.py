@@ -2,12 +2,21 @@
 process work pool and worker, models root and port), the deployments rendered from a hosts file,
 `rollout fleet` from a shell, and real vLLM CPU servers.
 
-One test, three rollouts, in the order a fleet lives them (each needs the hosts the one before left):
+The hosts sit behind a real HAProxy, named in the hosts file, and from the second rollout on a
+steady client load goes through it, counted by the test itself.
+
+One test, four rollouts and a group, in the order a fleet lives them (each needs the hosts the one
+before left):
 1. revision A everywhere: the canary from the Hub, the wave of two from the canary's mirror, one
-   flipped byte from the mirror caught by the hash;
-2. a revision that fails validation: the canary stops it, the other two are never touched;
-3. a good revision that one host of the second wave cannot start: it rolls itself back to A;
-4. a model larger than one box: host-a leads a group over two nodes, host-b its headless node.
+   flipped byte from the mirror caught by the hash; each host admitted at the router;
+2. a revision that fails validation: the canary stops it, the other two are never touched; host-b's
+   vLLM dies meanwhile: the router's health check takes it out, and the requests it cut are counted
+   alike by the router (the fleet artifact) and the clients;
+3. a good revision that one host of the second wave cannot start: it rolls itself back to A and is
+   admitted on it; the canary passes its window of live traffic; not one client request fails;
+4. a canary slower on live traffic (its hosts entry loads a logits processor that waits): rolled
+   back to the deployment before and admitted on it, the other two never touched, no request failed;
+5. a model larger than one box: host-a leads a group over two nodes, host-b its headless node.
 """
 
 from __future__ import annotations
@@ -15,9 +24,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
+import time
 import uuid
+from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
@@ -39,13 +52,15 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 from flows.demo import BF16_REPO, demo_config
 from tasks.deployment.config import DeployConfig, Follower
 from tasks.fleet.hosts import HostsFile
+from tasks.fleet.router import HAProxy
 from tasks.history.last_good import read_last_good
 from tasks.hub import resolve_snapshot
 from tasks.orchestration.history import model_slug, read_history
-from tasks.vllm.process import reap_stale
+from tasks.vllm.process import reap_stale, serving_group
 from testkit.browser import CHROMIUM, open_artifact
 from testkit.faulty_mirror import FaultyMirror
 from testkit.prefect_processes import BIN, free_port, prefect_server, prefect_worker
+from testkit.router import SteadyLoad, haproxy
 
 ROOT = Path(__file__).resolve().parents[1]
 HOSTS = ("host-a", "host-b", "host-c")
@@ -76,6 +91,36 @@ def _host_rows(markdown: str) -> dict[str, str]:
     return {line.split("|")[1].strip(): line for line in markdown.splitlines() if line.startswith("| host-")}
 
 
+def _cells(markdown: str) -> dict[str, dict[str, str]]:
+    """The fleet table's cells: host -> column -> value."""
+    lines = [line for line in markdown.splitlines() if line.startswith("| ")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    return {cells[0]: dict(zip(header, cells)) for line in lines[2:]
+            if (cells := [c.strip() for c in line.strip("|").split("|")])[0].startswith("host-")}
+
+
+def _traffic(fleet: str) -> tuple[float, float, int, int]:
+    """The artifact's clients' view: its window (as time.time() values), requests and failed."""
+    found = re.search(r"router during the rollout\*\* \((\S+) to (\S+) UTC\): ([\d,]+) requests, ([\d,]+) failed",
+                      fleet)
+    assert found, fleet
+    today = datetime.now(timezone.utc).strftime("%Y-%m-%d")
+
+    def at(clock: str) -> float:
+        return datetime.strptime(f"{today} {clock}", "%Y-%m-%d %H:%M:%S.%f").replace(tzinfo=timezone.utc).timestamp()
+    return at(found[1]), at(found[2]), int(found[3].replace(",", "")), int(found[4].replace(",", ""))
+
+
+def _agrees(fleet: str, load: SteadyLoad) -> int:
+    """The router's counts in the artifact against the test's own clients': the same failures, and
+    the same requests give or take those in flight at the two readings. The failures."""
+    since, until, requests, failed = _traffic(fleet)
+    assert failed == len(load.failed_between(since, until)), (fleet, load.failed_between(since, until))
+    assert abs(requests - len(load.between(since, until))) <= 2 * load.streams, (requests, len(load.between(
+        since, until)))
+    return failed
+
+
 def _full_gets(hub, path: str, since: int) -> int:
     return sum(r.method == "GET" and r.path == path and r.range_start == 0 and r.status == 200
                for r in hub.requests[since:])
@@ -91,15 +136,24 @@ def test_a_fleet_rolls_out_canary_first_reads_the_hub_once_and_stops_at_a_failed
     ports = {h: free_port() for h in HOSTS}
     model = demo_config(local_hub.endpoint, tmp_path, repo_id=repo_id, **QUICK).model_dump(mode="json")
 
+    front = free_port()
     with prefect_server(tmp_path, ui=True) as (url, server_log), FaultyMirror(roots["host-a"] / "hub") as mirror, \
-            temporary_settings({PREFECT_API_URL: url}), get_client(sync_client=True) as client:
+            temporary_settings({PREFECT_API_URL: url}), get_client(sync_client=True) as client, \
+            haproxy([(h, "127.0.0.1", ports[h]) for h in HOSTS], work_dir=tmp_path, port=front) as router:
         hosts_file = tmp_path / "hosts.yaml"
+        at_router = HAProxy(router)
+        # A short window of live traffic for the canary at its full weight, and a bar only a real
+        # slowdown clears on three servers sharing two cores (the planted one is ~3x per token).
+        router_entry = router.model_copy(update={"canary_window_s": 20, "canary_share_percent": 100,
+                                                 "canary_max_slowdown": 1.0})
 
-        def write_hosts(**host_c) -> None:
+        def write_hosts(host_a: dict | None = None, host_c: dict | None = None) -> None:
+            extra = {"host-a": host_a or {}, "host-c": host_c or {}}
             hosts = [{"name": h, "models_root": str(roots[h]), "port": ports[h], "gpu_type": "cpu",
-                      **({"mirror": mirror.endpoint} if h == "host-a" else {}), **(host_c if h == "host-c" else {})}
-                     for h in HOSTS]
-            hosts_file.write_text(yaml.safe_dump({"model": model, "hosts": hosts, "wave_size": 2}))
+                      "address": "127.0.0.1", **({"mirror": mirror.endpoint} if h == "host-a" else {}),
+                      **extra.get(h, {})} for h in HOSTS]
+            hosts_file.write_text(yaml.safe_dump({"model": model, "hosts": hosts, "wave_size": 2,
+                                                  "router": router_entry.model_dump(mode="json")}))
 
         env = {**os.environ, "PREFECT_API_URL": url, "PREFECT_UI_URL": url.removesuffix("/api"),
                "ROLLOUT_HOME": str(ROOT)}
@@ -150,6 +204,14 @@ def test_a_fleet_rolls_out_canary_first_reads_the_hub_once_and_stops_at_a_failed
             assert list(rows) == list(HOSTS) and all("serving" in row for row in rows.values())
             assert "**Mirror failures (1)**" in fleet and "tokenizer.json: ChecksumError" in fleet
             assert "mirror 6" in rows["host-b"] + rows["host-c"]  # all six files of one wave host: the mirror
+            cells = _cells(fleet)
+            assert all(cells[h]["router"] == "in rotation" for h in HOSTS)  # each admitted at the router
+            assert "Out of rotation at the end:** none" in fleet
+            assert "not judged: no other host in rotation" in cells["host-a"]["live traffic"]  # nothing served yet
+
+            # From here on the fleet's users send requests through the router, all the time.
+            load = SteadyLoad(f"http://127.0.0.1:{front}", repo_id, streams=3, max_tokens=16, pause_s=0.1)
+            running.enter_context(load)
 
             # 2. A revision that fails validation: the canary stops it before anything is stopped.
             config = json.loads((repo / "config.json").read_text())
@@ -157,28 +219,46 @@ def test_a_fleet_rolls_out_canary_first_reads_the_hub_once_and_stops_at_a_failed
             (repo / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers + 1}))
             local_hub.refresh()
             before = {h: len(_deploy_runs(client, h)) for h in HOSTS}
-            bad = rollout("fleet", "--hosts", str(hosts_file))
-            assert bad.returncode == 1 and "Traceback" not in bad.stderr, bad.stderr
-            assert bad.stderr.strip().splitlines()[-1].startswith("error: Stopped: ")
-            assert "failed on host-a in wave 1 (the canary)" in bad.stderr
-            assert "untouched, serving what they served: host-b, host-c" in bad.stderr
+            bad = subprocess.Popen([str(BIN / "rollout"), "fleet", "--hosts", str(hosts_file)], cwd=ROOT, env=env,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            # Meanwhile host-b's vLLM dies, with a client's request in flight there.
+            deadline = time.monotonic() + 120
+            while not (at_router.server("host-a").status == "DRAIN" and at_router.server("host-b").current):
+                assert time.monotonic() < deadline and bad.poll() is None, "the canary was never drained"
+                time.sleep(0.05)
+            os.killpg(serving_group(roots["host-b"] / ".rollout" / "server.json"), signal.SIGKILL)
+            _, stderr = bad.communicate(timeout=1200)
+            assert bad.returncode == 1 and "Traceback" not in stderr, stderr
+            assert stderr.strip().splitlines()[-1].startswith("error: Stopped: ")
+            assert "failed on host-a in wave 1 (the canary)" in stderr
+            assert "untouched, serving what they served: host-b, host-c" in stderr
             assert {h: len(_deploy_runs(client, h)) for h in HOSTS} == {**before, "host-a": before["host-a"] + 1}
             assert all(_serves(ports[h], repo_id) and read_last_good(roots[h] / ".rollout").commit == commit_a
-                       for h in HOSTS)
-            rows = _host_rows(_fleet_artifact(client, repo_id))
+                       for h in ("host-a", "host-c")) and not _serves(ports["host-b"], repo_id)
+            fleet = _fleet_artifact(client, repo_id)
+            rows = _host_rows(fleet)
             assert "untouched" in rows["host-b"] and "untouched" in rows["host-c"]
+            cells = _cells(fleet)
+            assert cells["host-a"]["router"] == "in rotation"  # drained for its deploy, admitted again
+            assert cells["host-b"]["router"] == "out of rotation: DOWN"
+            assert "Out of rotation at the end:** host-b" in fleet
+            assert _agrees(fleet, load) >= 1  # the requests its death cut: the router's count is the clients'
 
             # 3. A good revision (same weights, a new commit) that host-c cannot start.
             (repo / "config.json").write_text(json.dumps(config))
             (repo / "README.md").write_text("Re-published, weights unchanged.\n")
             local_hub.refresh()
             commit_c = resolve_snapshot(repo_id, "main", local_hub.endpoint).commit
-            write_hosts(vllm={"max_model_len": 100_000})  # beyond the model's 2,048 positions
+            write_hosts(host_c={"vllm": {"max_model_len": 100_000}})  # beyond the model's 2,048 positions
             failed = rollout("fleet", "--hosts", str(hosts_file))
             assert failed.returncode == 1, failed.stdout + failed.stderr
             assert "failed on host-c in wave 2: Rolled back: " in failed.stderr
             fleet = _fleet_artifact(client, repo_id)
             assert fleet.startswith(f"# Stopped: {repo_id}@{commit_c[:12]} failed on host-c in wave 2")
+            cells = _cells(fleet)
+            assert all(cells[h]["router"] == "in rotation" for h in HOSTS)  # host-c on its last good, host-b anew
+            assert "TPOT " in cells["host-a"]["live traffic"] and "outside" not in cells["host-a"]["live traffic"]
+            assert _agrees(fleet, load) == 0  # drained, swapped, checked, admitted: no client saw a failure
             assert [read_last_good(roots[h] / ".rollout").commit for h in HOSTS] == [commit_c, commit_c, commit_a]
             # The same weights under a new commit passed each host's drift checks against its last good.
             republished = [r for r in read_history(repo_id) if r.commit == commit_c]
@@ -188,6 +268,31 @@ def test_a_fleet_rolls_out_canary_first_reads_the_hub_once_and_stops_at_a_failed
             if CHROMIUM:  # as an engineer reads it: the verdict, the row of each host, its run linked
                 open_artifact(url.removesuffix("/api"), str(_fleet_artifact(client, repo_id, "id")),
                               "Stopped:", "fleet.png", "rolled back", "host-b")
+
+            # 4. A canary slower on live traffic: its entry loads a logits processor that waits 40 ms a
+            # token. It passes its own checks (same answers; no gate here), then its window of live
+            # traffic against the other two fails it: rolled back to the deployment before, admitted.
+            (repo / "README.md").write_text("Re-published again, weights unchanged.\n")
+            local_hub.refresh()
+            commit_d = resolve_snapshot(repo_id, "main", local_hub.endpoint).commit
+            write_hosts(host_a={"vllm": {"extra_args": ["--logits-processors", "testkit.slow_logits:SlowLogits"],
+                                         "env": {"PYTHONPATH": str(ROOT / "tests")}}})
+            before = {h: len(_deploy_runs(client, h)) for h in HOSTS}
+            slow = rollout("fleet", "--hosts", str(hosts_file))
+            assert slow.returncode == 1, slow.stdout + slow.stderr
+            assert f"failed on host-a in wave 1 (the canary): Rolled back: {repo_id}@{commit_d[:12]} failed on live " \
+                   "traffic" in slow.stderr, slow.stderr
+            fleet = _fleet_artifact(client, repo_id)
+            cells = _cells(fleet)
+            assert "outside the noise" in cells["host-a"]["live traffic"], cells["host-a"]
+            assert cells["host-a"]["router"] == "in rotation" and cells["host-a"]["status"] == "rolled back"
+            assert read_last_good(roots["host-a"] / ".rollout").commit == commit_c  # the deployment before it
+            assert _serves(ports["host-a"], repo_id)
+            assert {h: len(_deploy_runs(client, h)) for h in HOSTS} == {**before, "host-a": before["host-a"] + 1}
+            assert [read_last_good(roots[h] / ".rollout").commit for h in HOSTS[1:]] == [commit_c, commit_a]
+            assert _agrees(fleet, load) == 0
+            load.__exit__(None, None, None)  # the group below is run as the UI runs it, not through the router
+            write_hosts()
 
             # 4. A model larger than one box: host-a leads a TP=2 group over two nodes, host-b its
             # secondary node, started headless through host-b's own worker. Run as the UI runs it.

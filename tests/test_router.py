@@ -8,11 +8,13 @@ from __future__ import annotations
 import contextlib
 import time
 
+import numpy as np
+
+from tasks.fleet.canary import TTFT, Histogram, HostWindow, judge_canary, parse_histograms
+from tasks.fleet.router import HAProxy, ServerStats, Traffic, rotation
 from testkit.openai_server import StreamingServer
 from testkit.prefect_processes import free_port
 from testkit.router import SteadyLoad, haproxy
-
-from tasks.fleet.router import HAProxy, Traffic, rotation
 
 
 def _until(condition, timeout_s: float = 10.0):
@@ -77,3 +79,48 @@ def test_drain_swap_admit_under_load_then_a_host_dies_and_one_serves_nothing(tmp
         kept_out = at.admit("host-b", timeout_s=3)
         assert kept_out.status == "MAINT" and not kept_out.in_rotation
         assert rotation(kept_out) == "out of rotation: it failed the router's health check, kept in maintenance"
+
+
+def _histogram(values: list[float]) -> Histogram:
+    """What vLLM's /metrics would show for these latencies, in its TTFT buckets."""
+    lines = []
+    for bound in TTFT_BOUNDS + ["+Inf"]:
+        le = float(bound)
+        lines.append(f'vllm:time_to_first_token_seconds_bucket{{engine="0",le="{bound}",model_name="m"}} '
+                     f"{sum(v <= le for v in values)}.0")
+    lines += [f'vllm:time_to_first_token_seconds_sum{{engine="0",model_name="m"}} {sum(values)}',
+              f'vllm:time_to_first_token_seconds_count{{engine="0",model_name="m"}} {len(values)}.0']
+    return parse_histograms("\n".join(lines))[TTFT]
+
+
+TTFT_BOUNDS = ["0.001", "0.005", "0.01", "0.02", "0.04", "0.06", "0.08", "0.1", "0.25", "0.5", "0.75", "1.0", "2.5"]
+
+
+def _window(name: str, values: list[float], requests: int = 100, failed: int = 0) -> HostWindow:
+    def stats(n: int, f: int) -> ServerStats:
+        return ServerStats(name, status="UP", current=0, queued=0, requests=n, responses_5xx=f, cut_by_server=0,
+                           connect_errors=0, response_errors=0, weight=100, mean_response_ms=0, mean_total_ms=0)
+    return HostWindow(name, latency_start={}, latency_end={TTFT: _histogram(values)}, router_start=stats(0, 0),
+                      router_end=stats(requests, failed))
+
+
+def test_the_canary_rule_fails_a_slower_canary_and_not_one_like_the_rest():
+    rng = np.random.default_rng(7)
+
+    def draw(scale: float, n: int = 60) -> list[float]:
+        return list(rng.lognormal(np.log(0.03 * scale), 0.4, n))
+
+    slower = judge_canary(_window("a", draw(2.0)), [_window("b", draw(1.0)), _window("c", draw(1.0))],
+                          max_slowdown=0.2)
+    assert not slower.passed and "outside the noise" in slower.findings[0], slower.findings
+    assert slower.findings[1].startswith("TPOT not judged: 0 requests at the canary")
+    # Alike: across 200 canaries drawn like the rest, the rule fails none at this bar.
+    alarms = sum(not judge_canary(_window("a", draw(1.0)), [_window("b", draw(1.0))], max_slowdown=0.2).passed
+                 for _ in range(200))
+    assert alarms == 0
+    # A canary whose requests fail where the rest's do not; too few requests to judge a latency.
+    erring = judge_canary(_window("a", draw(1.0), failed=6), [_window("b", draw(1.0))], max_slowdown=0.2)
+    assert not erring.passed and erring.findings[-1] == ("errors 6 of 100 vs the rest's 0 of 100 (above the rest's "
+                                                         "beyond chance)")
+    few = judge_canary(_window("a", draw(3.0, n=5)), [_window("b", draw(1.0))], max_slowdown=0.2)
+    assert few.passed and few.findings[0].startswith("TTFT not judged: 5 requests at the canary")

@@ -26,6 +26,7 @@ class HostOutcome:
     fetched: dict[str, int] = field(default_factory=dict)  # files by where they came from: hub, mirror, cache
     mirror_failures: list[str] = field(default_factory=list)  # "file: why" for each file the mirror failed
     drained_s: float | None = None  # behind a router: how long its requests in flight took to finish
+    live: str | None = None  # the canary behind a router: its live traffic against the rest's
 
     @property
     def status(self) -> str:
@@ -102,6 +103,7 @@ def fleet_rows(outcomes: list[HostOutcome], hosts: list[FleetHost], *, slowdown:
             "mirror failures": len(o.mirror_failures) if o else 0,
             "outlier": flags.get(host.name, ""),
             "router": (at_router or {}).get(host.name, ""),
+            "live traffic": o.live if o and o.live else "",
             "failures": o.mirror_failures if o else [],
             "verdict": o.verdict if o else "",
         })

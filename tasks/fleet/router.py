@@ -39,6 +39,12 @@ class RouterConfig(BaseModel):
                                                           "to finish before its swap begins anyway")
     admit_timeout_s: float = Field(60, gt=0, description="How long an admitted host may take to pass the router's "
                                                          "health check before it is kept out of rotation")
+    canary_window_s: float = Field(300, ge=0, description="How long the canary serves its share of live traffic "
+                                                          "before the waves go on; 0: no live comparison")
+    canary_share_percent: int = Field(50, ge=1, le=100, description="The canary's router weight during its window, "
+                                                                    "in percent of its usual weight")
+    canary_max_slowdown: float = Field(0.2, gt=0, description="A canary slower than the rest by more than this, and "
+                                                              "outside the noise, is rolled back")
 
 
 @dataclass(frozen=True)
@@ -132,6 +138,10 @@ class HAProxy:
             raise UnusableInput(f"router {self.config.admin}: backend '{self.config.backend}' has no server "
                                 f"'{name}' (name each host's server as the host)")
         return found
+
+    def set_weight(self, name: str, percent: int) -> None:
+        """A share of the host's usual weight (its weight in the configuration is 100%)."""
+        self.ask(f"set weight {self.config.backend}/{name} {percent}%")
 
     def set_state(self, name: str, state: str) -> None:
         self.ask(f"set server {self.config.backend}/{name} state {state}")

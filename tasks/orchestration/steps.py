@@ -24,11 +24,22 @@ from tasks.bench.load import run_level
 from tasks.bench.report import save_results
 from tasks.bench.results import LevelResult
 from tasks.bench.spec import BenchSpec
-from tasks.checkpoint.rules import ValidationReport, validate_checkpoint, validate_snapshot
+from tasks.checkpoint.rules import (
+    ValidationReport,
+    validate_checkpoint,
+    validate_snapshot,
+)
 from tasks.deployment.config import DeployConfig
 from tasks.disk import DiskPlan, EvictionResult, check_plan, evict, plan_space
-from tasks.errors import GpuConfigError, HostUnreachable, ServerStartError, ValidationFailed, first_line
+from tasks.errors import (
+    GpuConfigError,
+    HostUnreachable,
+    ServerStartError,
+    ValidationFailed,
+    first_line,
+)
 from tasks.findings import Violation
+from tasks.fleet.canary import observe_canary
 from tasks.fleet.hosts import FleetHost
 from tasks.fleet.rollout import HostOutcome
 from tasks.fleet.router import HAProxy, RouterConfig, rotation
@@ -347,6 +358,34 @@ def deploy_on_host(host: FleetHost, wave: int, config: DeployConfig, *, pickup_d
         get_run_logger().log(logging.INFO if admitted.in_rotation else logging.ERROR,
                              "%s: %s at the router", host.name, rotation(admitted))
     return dataclasses.replace(outcome, drained_s=drained_s)
+
+
+@task(name="canary-on-live-traffic", task_run_name="{canary.host.name} on live traffic", cache_policy=NO_CACHE)
+def canary_on_live_traffic(router: RouterConfig, canary: HostOutcome, *, rest: list[FleetHost], what: str,
+                           pickup_deadline_s: float) -> HostOutcome:
+    """The canary, checked and admitted, serves its share of live traffic for the router's window. A
+    canary worse than the rest of the fleet is drained, rolled back by its host's own rollback
+    deployment (the deployment before this one), and admitted again: the rollout then stops there."""
+    logger = get_run_logger()
+    name = canary.host.name
+    judged = observe_canary(router, canary.host, rest)
+    logger.log(logging.INFO if judged.passed else logging.ERROR, "%s on live traffic: %s", name, judged.summary())
+    if judged.passed:
+        return dataclasses.replace(canary, live=judged.summary())
+    at_router = HAProxy(router)
+    at_router.drain(name)
+    try:
+        run = run_on_host(f"rollback-model/{name}", {"target": {"models_root": str(canary.host.models_root)}},
+                          pickup_deadline_s)
+        back = ("the deployment before it serves again" if run.state and run.state.is_completed() else
+                f"its rollback ended {run.state.name if run.state else 'without a state'}: "
+                f"{(run.state.message or '') if run.state else ''}")
+    except HostUnreachable as exc:
+        back = f"its rollback could not run: {first_line(exc)}"
+    finally:
+        admitted = at_router.admit(name)
+    return dataclasses.replace(canary, serving=False, live=judged.summary(), verdict=(
+        f"Rolled back: {what} failed on live traffic: {judged.summary()}; {back}; {rotation(admitted)}"))
 
 
 def _deploy_on_host(host: FleetHost, wave: int, config: DeployConfig, *, pickup_deadline_s: float) -> HostOutcome:
