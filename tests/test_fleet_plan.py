@@ -3,6 +3,7 @@ the verdict and the table (the rollout itself: tests/test_fleet.py)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from datetime import datetime, timezone
@@ -129,3 +130,16 @@ def test_rollout_fleet_needs_a_prefect_server_the_workers_poll(tmp_path):
     assert done.returncode == 2 and done.stderr.strip() == (
         "error: rollout fleet runs each host's deploy through its worker: set PREFECT_API_URL to the Prefect server "
         "the workers poll")
+
+
+def test_rollout_fleet_refuses_a_router_that_does_not_answer_before_anything_starts(tmp_path):
+    data = yaml.safe_load((ROOT / "deployments" / "hosts.yaml").read_text())
+    data["router"] = {"admin": str(tmp_path / "no-haproxy.sock"), "backend": "fleet"}
+    path = tmp_path / "hosts.yaml"
+    path.write_text(yaml.safe_dump(data))
+    env = {**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api"}
+    done = subprocess.run([sys.executable, "-m", "flows.cli", "fleet", "--hosts", str(path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        f"error: {path}: router: router {tmp_path / 'no-haproxy.sock'}: cannot connect ([Errno 2] No such file or "
+        "directory)"], done.stderr

@@ -78,6 +78,15 @@ def fleet(
         err = exc.errors()[0]
         typer.echo(f"error: bad option --{str(err['loc'][0]).replace('_', '-')}: {err['msg']}", err=True)
         raise typer.Exit(2)
+    if config.router:  # a router that does not answer, or lacks a host, fails here, not mid-rollout
+        from tasks.fleet.router import HAProxy
+
+        try:
+            at_router = HAProxy(config.router)
+            for host in config.hosts:
+                at_router.server(host.name)
+        except UnusableInput as exc:
+            fail(UnusableInput(f"{hosts}: router: {exc}"))
     check_hub(config.deploy.repo_id, config.deploy.revision, config.deploy.hub_endpoint)
     exit_on_sigterm()
     check_prefect()
