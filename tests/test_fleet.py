@@ -93,9 +93,9 @@ def _host_rows(markdown: str) -> dict[str, str]:
 
 def _cells(markdown: str) -> dict[str, dict[str, str]]:
     """The fleet table's cells: host -> column -> value."""
-    lines = [line for line in markdown.splitlines() if line.startswith("| ")]
+    lines = [line for line in markdown.splitlines() if line.startswith("| ")]  # not the |:---| line
     header = [c.strip() for c in lines[0].strip("|").split("|")]
-    return {cells[0]: dict(zip(header, cells)) for line in lines[2:]
+    return {cells[0]: dict(zip(header, cells)) for line in lines[1:]
             if (cells := [c.strip() for c in line.strip("|").split("|")])[0].startswith("host-")}
 
 
