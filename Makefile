@@ -16,5 +16,10 @@ $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 demo: $(VENV)/.installed
 	$(VENV)/bin/rollout demo
 
+# The tests that measure speed or steady states run first, alone on the machine; the rest run two at a
+# time (pytest-xdist, one test file per worker): most of their time is spent waiting on servers,
+# workers and vLLM starts, and the suite stays under 30 minutes on 2 cores. Both parts always run.
 test: $(VENV)/.installed
-	$(PY) -m pytest
+	$(PY) -m pytest -m quiet; quiet=$$?; \
+	$(PY) -m pytest -m "not quiet" -n 2 --dist loadfile; rest=$$?; \
+	exit $$(( quiet || rest ))

@@ -22,6 +22,8 @@ from tasks.cpus import server_and_client_cpus
 from tasks.errors import BenchConfigError
 from testkit.openai_server import StreamingServer
 
+pytestmark = pytest.mark.quiet  # measures speed: runs alone, before the parallel part (Makefile)
+
 SPEC = BenchSpec(input_len=16, output_len=20, requests_per_level=8)
 
 

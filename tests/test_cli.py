@@ -31,6 +31,7 @@ def test_bad_deploy_options_name_the_option(args, expected, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.quiet
 def test_bench_sweeps_any_openai_server_until_it_saturates(tmp_path):
     from testkit.openai_server import StreamingServer
 

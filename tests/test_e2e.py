@@ -35,6 +35,7 @@ def _task_runs(flow_run_id):
         return client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
 
 
+@pytest.mark.quiet
 def test_demo_deploys_benchmarks_and_publishes(tmp_path):
     # A previous demo run on this host, planted 1000x faster: the demo compares itself with it and
     # still passes, since on two shared cores noise beats any threshold (the demo has no gate).
@@ -218,6 +219,7 @@ def test_startup_deadline_too_short_fails_with_the_timeout_cause(local_hub, tmp_
     assert not (tmp_path / "models" / ".rollout" / "server.json").exists()
 
 
+@pytest.mark.quiet
 def test_sweep_stops_by_itself_at_saturation_and_names_the_knee(local_hub, tmp_path):
     # The server batches at most 2 sequences, so throughput cannot grow past concurrency 2: the
     # saturation a real box reaches at its batch limit, made certain on a tiny model.

@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 import time
 
-from testkit.openai_server import StreamingServer
+import pytest
 
 from tasks.vllm.gap import GapProbe
+from testkit.openai_server import StreamingServer
+
+pytestmark = pytest.mark.quiet  # measures speed: runs alone, before the parallel part (Makefile)
 
 
 def _record(state_file, server: StreamingServer | None) -> int | None:

@@ -3,10 +3,14 @@ server, and it always catches one made 30% slower, never one made 5% slower at a
 
 from __future__ import annotations
 
+import pytest
+
 from tasks.bench.load import run_level
 from tasks.bench.spec import BenchSpec
 from tasks.history.runs import RunRecord, check_regression, run_record
 from testkit.openai_server import StreamingServer
+
+pytestmark = pytest.mark.quiet  # measures speed: runs alone, before the parallel part (Makefile)
 
 SPEC = BenchSpec(concurrency_levels=[1, 4], level_duration_s=1.2, input_len=16, output_len=16)
 TTFT_S, ITL_S = 0.02, 0.01

@@ -7,7 +7,11 @@ import mmap
 import os
 from pathlib import Path
 
+import pytest
+
 from tasks.prewarm import prewarm
+
+pytestmark = pytest.mark.quiet  # measures speed: runs alone, before the parallel part (Makefile)
 
 MIB = 2**20
 _libc = ctypes.CDLL(None, use_errno=True)

@@ -13,6 +13,8 @@ from tasks.bench.spec import BenchSpec
 from tasks.serving import Serving
 from tasks.vllm.process import ServerHandle, group_members
 
+pytestmark = pytest.mark.quiet  # measures speed: runs alone, before the parallel part (Makefile)
+
 
 def _level(concurrency: int, output_throughput: float) -> LevelResult:
     return LevelResult(concurrency=concurrency, max_concurrency=concurrency, requests=1, completed=1, failed=0,
