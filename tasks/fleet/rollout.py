@@ -95,6 +95,7 @@ def fleet_rows(outcomes: list[HostOutcome], hosts: list[FleetHost], *, slowdown:
         rows.append({
             "host": host.name, "wave": o.wave if o else None, "flow_run_id": o.flow_run_id if o else None,
             "status": o.status if o else "untouched",
+            "router": (at_router or {}).get(host.name, ""),
             "single stream tok/s": _tok_s(r.single_stream_tok_s) if r else None,
             "peak tok/s": _tok_s(r.peak_tok_s) if r else None,
             "down s": f"{r.unavailable_s:.1f}" if r and r.unavailable_s is not None else None,  # the swap's gap
@@ -102,8 +103,6 @@ def fleet_rows(outcomes: list[HostOutcome], hosts: list[FleetHost], *, slowdown:
             "fetched from": ", ".join(f"{s} {n}" for s, n in o.fetched.items() if n) if o else "",
             "mirror failures": len(o.mirror_failures) if o else 0,
             "outlier": flags.get(host.name, ""),
-            "router": (at_router or {}).get(host.name, ""),
-            "live traffic": o.live if o and o.live else "",
             "failures": o.mirror_failures if o else [],
             "verdict": o.verdict if o else "",
         })
@@ -135,7 +134,9 @@ class FleetReport:
         out = ", ".join(t.out_of_rotation) if t.out_of_rotation else "none"
         window = " to ".join(datetime.fromtimestamp(at, timezone.utc).strftime("%H:%M:%S.%f")[:-3]
                              for at in (t.since, t.until))
-        return [f"- **Through the router during the rollout** ({window} UTC): {t.requests:,} requests, "
+        canary = self.outcomes[0] if self.outcomes and self.outcomes[0].live else None
+        live = [f"- **The canary {canary.host.name} on live traffic:** {canary.live}"] if canary else []
+        return live + [f"- **Through the router during the rollout** ({window} UTC): {t.requests:,} requests, "
                 f"{t.failed:,} failed (5xx answered or cut mid-response)",
                 f"- **Router's mean response time:** {t.mean_response_ms_before:,} ms before, "
                 f"{t.mean_response_ms_after:,} ms after (its last 1,024 requests)",
