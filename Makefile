@@ -17,9 +17,11 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/rollout demo
 
 # The tests that measure speed or steady states run first, alone on the machine; the rest run two at a
-# time (pytest-xdist, one test file per worker): most of their time is spent waiting on servers,
-# workers and vLLM starts, and the suite stays under 30 minutes on 2 cores. Both parts always run.
+# time (pytest-xdist, one test file per worker, in tests/conftest.py's order: the longest first, which
+# xdist would otherwise replace by the number of tests per file): most of their time is spent waiting
+# on servers, workers and vLLM starts, and the suite stays under 30 minutes on 2 cores. Both parts
+# always run.
 test: $(VENV)/.installed
 	$(PY) -m pytest -m quiet; quiet=$$?; \
-	$(PY) -m pytest -m "not quiet" -n 2 --dist loadfile; rest=$$?; \
+	$(PY) -m pytest -m "not quiet" -n 2 --dist loadfile --no-loadscope-reorder; rest=$$?; \
 	exit $$(( quiet || rest ))
