@@ -1,15 +1,19 @@
-"""Which damage a model's probes see: the demo's counting model, and the model trained with cycles
-too (`build_bf16(cycles=True)`), each damaged in every way the answer check must catch, every copy
-scored side by side in one run on the probes that ship with it (accuracy per task, and the
-reference text's perplexity against the healthy copy's).
+"""Which damage a model's probes see: a model trained to count only (`build_bf16(cycles=False)`, the
+demo's model until issue 28), and the demo's model, trained on counting and cycles, each damaged in
+every way the answer check must catch, every copy scored side by side in one run on the probes that
+ship with it (accuracy per task, and the reference text's perplexity against the healthy copy's).
 
 The damages: the routed experts scaled (all experts' gate and up projections x8, or their down
 projections x8), noise on the attention weights (1 standard deviation), `rope_theta` x1000 in the
 config alone, and the two layers swapped; a re-publish (the same weights) is the control. Scored
 with transformers in bf16 weights (the checkpoint's), greedy, as the answer check's completions are.
-Run from the repository root (about two minutes on two cores):
+With `--served`, each copy is also written as a checkpoint and served by vLLM (the CPU build here, as
+the deploy launches it), and asked by the answer check's own code: the figures a deploy would see.
+The two layers cannot trade places in a checkpoint (the first is dense, the second MoE): served,
+their attention is swapped instead. Run from the repository root (about two minutes on two cores;
+eight more with `--served`):
 
-    .venv/bin/python benchmarks/damage.py
+    .venv/bin/python benchmarks/damage.py [--served]
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding  # noqa: E402
 
-from flows.demo.checkpoint import PROBES_FILE, build_bf16, counting, cycle  # noqa: E402
+from flows.demo.checkpoint import CYCLE_LEN, PROBES_FILE, PROBES_PER_TASK, build_bf16, cycle, reference_text  # noqa: E402,E501
 
 
 def score(model, tokenizer, probes: list[dict], reference: list[list[int]]) -> dict[str, float]:
@@ -38,7 +42,7 @@ def score(model, tokenizer, probes: list[dict], reference: list[list[int]]) -> d
             ids = tokenizer(probe["prompt"], return_tensors="pt")["input_ids"]
             expected = tokenizer(probe["expected"])["input_ids"]
             out = model.generate(ids, max_new_tokens=len(expected), do_sample=False, pad_token_id=1)
-            right["counting" if i < 32 else "cycles"].append(out[0, ids.shape[1]:].tolist() == expected)
+            right["counting" if i < PROBES_PER_TASK else "cycles"].append(out[0, ids.shape[1]:].tolist() == expected)
         losses = [model(input_ids=torch.tensor([r]), labels=torch.tensor([r])).loss for r in reference]
     figures = {task: sum(ok) / len(ok) if ok else None for task, ok in right.items()}
     figures["all"] = sum(sum(ok) for ok in right.values()) / len(probes)
@@ -64,16 +68,53 @@ def attention_noise(std: float):
 
 
 def rope_theta(factor: float):
+    """In the config alone: the model's own rotary embedding rebuilt from it, and a saved copy carries it."""
     def damage(model) -> None:
-        config = copy.deepcopy(model.config)
-        config.rope_parameters = dict(config.rope_parameters, rope_theta=config.rope_parameters["rope_theta"] * factor)
-        model.model.rotary_emb = DeepseekV3RotaryEmbedding(config=config)
+        parameters = model.config.rope_parameters
+        model.config.rope_parameters = dict(parameters, rope_theta=parameters["rope_theta"] * factor)
+        model.model.rotary_emb = DeepseekV3RotaryEmbedding(config=model.config)
     return damage
 
 
 def swap_layers(model) -> None:
     layers = model.model.layers
     layers[0], layers[1] = layers[1], layers[0]
+
+
+def swap_attention(model) -> None:
+    layers = model.model.layers
+    layers[0].self_attn, layers[1].self_attn = layers[1].self_attn, layers[0].self_attn
+
+
+def served_score(model, tokenizer, probes: list[dict], reference_text: str) -> dict[str, float]:
+    """The copy saved and served by vLLM as a deploy launches it on this host, asked by the answer
+    check's own code (completions, greedy) for its accuracy per task and the reference's perplexity."""
+    from tasks.answers.check import Probe, ask, perplexity
+    from tasks.cpus import server_and_client_cpus
+    from tasks.deployment.stages import CPU_MLA_ROPE_ARGS
+    from tasks.vllm.process import stop_server
+    from tasks.vllm.readiness import start_and_wait
+    from tasks.vllm.settings import ServerConfig
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "model"
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        server_cpus, _ = server_and_client_cpus()
+        cfg = ServerConfig(model_path=folder, served_model_name="damaged", port=0, max_model_len=1024,
+                           enforce_eager=True, enable_expert_parallel=True, kv_cache_memory_bytes=80 * 2**20,
+                           cpus=server_cpus, extra_args=CPU_MLA_ROPE_ARGS,
+                           env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": server_cpus})
+        handle = start_and_wait(cfg, Path(tmp) / "run", timeout_s=600)
+        try:
+            results = ask(handle.base_url, "damaged", [Probe(**p) for p in probes], max_tokens=6)
+            ppl = perplexity(handle.base_url, "damaged", reference_text)
+        finally:
+            stop_server(handle)
+    right = {"counting": [r.correct for r in results[:PROBES_PER_TASK]],
+             "cycles": [r.correct for r in results[PROBES_PER_TASK:]]}
+    figures = {task: sum(ok) / len(ok) if ok else None for task, ok in right.items()}
+    return figures | {"all": sum(r.correct for r in results) / len(results), "perplexity": ppl or float("nan")}
 
 
 def pct(value: float | None) -> str:
@@ -83,12 +124,14 @@ def pct(value: float | None) -> str:
 def main() -> None:
     import random
 
+    served = "--served" in sys.argv[1:]
     damages = [("healthy", None), ("re-published (same weights)", lambda m: None),
                ("routed experts gate+up x8", experts(8.0, "gate_proj", "up_proj")),
                ("routed experts down x8", experts(8.0, "down_proj")),
                ("attention noise 1 std", attention_noise(1.0)),
                ("rope_theta x1000 (config)", rope_theta(1000)),
-               ("layers swapped", swap_layers)]
+               ("layers swapped", swap_layers),
+               ("the layers' attention swapped", swap_attention)]
     for cycles in (False, True):
         with tempfile.TemporaryDirectory() as tmp:
             started = time.perf_counter()
@@ -98,21 +141,36 @@ def main() -> None:
             healthy = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16).eval()
             probes = [json.loads(line) for line in (out / PROBES_FILE).read_text().splitlines()]
         rng = random.Random(99)
-        texts = [counting(10, 40)] + ([cycle(rng, 40) for _ in range(4)] if cycles else [])
+        texts = [reference_text()] + ([cycle(rng, CYCLE_LEN) for _ in range(4)] if cycles else [])
         reference = [tokenizer(text)["input_ids"] for text in texts]
-        print(f"\n{'counting and cycles' if cycles else 'counting (the demo model)'}: built in {built_s:.0f} s, "
+        print(f"\n{'the demo model: counting and cycles' if cycles else 'counting only'}: built in {built_s:.0f} s, "
               f"{len(probes)} probes")
-        print(f"{'copy':30s} {'counting':>9s} {'cycles':>7s} {'all':>5s} {'perplexity':>11s} {'x healthy':>10s}")
+        columns = f"{'counting':>9s} {'cycles':>7s} {'all':>5s} {'perplexity':>11s} {'x healthy':>10s}"
+        print(f"{'':30s} {'transformers':^45s}" + (f" {'served by vLLM (CPU)':^45s}" if served else ""))
+        print(f"{'copy':30s} {columns}" + (f" {columns}" if served else ""))
         base = score(healthy, tokenizer, probes, reference)
+        served_base = served_score(healthy, tokenizer, probes, reference_text()) if served else None
         for name, damage in damages:
             model = healthy if damage is None else copy.deepcopy(healthy)
             if damage is not None:
                 damage(model)
             f = base if damage is None else score(model, tokenizer, probes, reference)
-            print(f"{name:30s} {pct(f['counting']):>9s} {pct(f['cycles']):>7s} {pct(f['all']):>5s} "
-                  f"{f['perplexity']:11.2f} {f['perplexity'] / base['perplexity']:10.2f}", flush=True)
+            line = f"{name:30s} {figures(f, base)}"
+            if served:
+                servable = damage is not swap_layers
+                g = (served_base if damage is None else served_score(model, tokenizer, probes, reference_text())
+                     if servable else None)
+                line += f" {figures(g, served_base) if g else 'not servable: a dense and an MoE layer':>45s}"
+            print(line, flush=True)
     print("\nThe answer check fails a revision below 80% of probes right, 10 points below the last good one, "
-          "or with probes flipped right-to-wrong beyond chance (docs/answer-check.md).")
+          "or with probes flipped right-to-wrong beyond chance (docs/answer-check.md). Perplexity: served, the "
+          "demo's reference text (counting, as long as trained) alone; in transformers, with four cycle "
+          "texts beside it.")
+
+
+def figures(f: dict[str, float], base: dict[str, float]) -> str:
+    return (f"{pct(f['counting']):>9s} {pct(f['cycles']):>7s} {pct(f['all']):>5s} "
+            f"{f['perplexity']:11.2f} {f['perplexity'] / base['perplexity']:10.2f}")
 
 
 if __name__ == "__main__":

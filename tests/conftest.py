@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import uuid
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -56,9 +57,32 @@ def prefect_server():
 
 @pytest.fixture(scope="session")
 def hub_root(tmp_path_factory) -> Path:
+    """The demo's repos, copied for this session from a build that `make test`'s three sessions (the
+    quiet part and the two workers) share: training takes ~45 s, ~80 s with two at once."""
     root = tmp_path_factory.mktemp("hub")
-    build_demo_repos(root)
+    shutil.copytree(_demo_repos_built_once(), root, dirs_exist_ok=True)
     return root
+
+
+def _demo_repos_built_once() -> Path:
+    """Built by the first session that asks, under a lock the others wait on; keyed by the code that
+    builds them, so a change to the recipe builds afresh."""
+    import fcntl
+    import hashlib
+    import tempfile
+
+    import flows.demo
+    import flows.demo.checkpoint
+
+    recipe = b"".join(Path(m.__file__).read_bytes() for m in (flows.demo, flows.demo.checkpoint))
+    built = Path(tempfile.gettempdir()) / f"rollout-demo-repos-{hashlib.sha256(recipe).hexdigest()[:12]}"
+    with open(f"{built}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not built.exists():
+            building = Path(tempfile.mkdtemp(prefix=f"{built.name}-building-", dir=built.parent))
+            build_demo_repos(building)
+            building.rename(built)
+    return built
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,9 @@
 """A revision that talks nonsense is never promoted: the nightly deploys it, a check named for the
 damage fails it, and the last good deployment serves (real vLLM CPU servers). Damage in the files
 (tokenizer, config) is refused before the swap; damage only a server shows (a chat template that
-loses the user's message, no logits) fails the answer check and the last good one is restored."""
+loses the user's message, routed experts scaled, positions read differently, no logits) fails the
+answer check and the last good one is restored. The demo model's cycle probes are what see the
+experts and the positions: its counting probes stay right under both."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import pytest
 from conftest import artifact, vllm_processes
 
 from flows.demo import BF16_REPO, demo_config
+from flows.deploy import deploy_model
 from flows.nightly import nightly_refresh
 from tasks.errors import AnswerCheckFailed, FilesChanged
 from tasks.history.last_good import read_last_good
@@ -71,6 +74,23 @@ def _rope_times_1000(repo) -> None:
     rope = config["rope_parameters"] if "rope_parameters" in config else config  # transformers 5 nests it
     rope["rope_theta"] = rope.get("rope_theta", 10000.0) * 1000
     path.write_text(json.dumps(config, indent=2))
+
+
+def _routed_experts_x8(repo) -> None:
+    """Every routed expert's gate and up projections scaled 8x: the shared expert and attention intact."""
+    _publish(repo, lambda tensors: tensors.update({name: t * 8 for name, t in tensors.items() if ".mlp.experts." in name
+                                                   and ("gate_proj" in name or "up_proj" in name)}))
+
+
+def _wrong_by_completion(answers: str) -> list[str]:
+    """The prompts the answers artifact marks wrong, asked by completion."""
+    return [row.split(" | ")[1].strip("`") for row in answers.splitlines()
+            if row.startswith("| completion |") and row.endswith("| no |")]
+
+
+def _counting(prompt: str) -> bool:
+    numbers = [int(n) for n in prompt.split()]
+    return all(b == a + 1 for a, b in zip(numbers, numbers[1:]))
 
 
 def _template_drops_the_user(repo) -> None:
@@ -167,18 +187,31 @@ def test_damaged_revisions_are_caught_by_the_check_named_and_the_good_one_serves
         # asking throughout sees the swap's gap as the run recorded it, to within 1 s: from the good
         # server's last answer to the restored one's first (the zeroed lm_head's answers are empty;
         # the broken template's server answers completions right, so its client saw two gaps).
-        for damage, problem in ((_template_drops_the_user, "probes right for the last good deployment are wrong now"),
-                                (_lm_head_zeroed, "accuracy 0% below 80%")):
+        # The experts and the positions: only the cycle probes go wrong (below the 80% floor, and
+        # flipped from right against the last good deployment). The rope change gets past the files'
+        # check only because this run says the files' changes are meant: it reaches the probes.
+        meant = config.model_copy(update={"answers": config.answers.model_copy(update={"allow_changed_files": True})})
+        for damage, problem, form in (
+                (_template_drops_the_user, "probes right for the last good deployment are wrong now", config),
+                (_routed_experts_x8, "flipped from right to wrong", config),
+                (_rope_times_1000, "right for the last good deployment are wrong now, under the same weights", meant),
+                (_lm_head_zeroed, "accuracy 0% below 80%", config)):
             plant(damage)
             with Client(base_url, repo_id) as client, pytest.raises(AnswerCheckFailed, match=problem):
                 started = time.time()
-                nightly_refresh(config)
+                nightly_refresh(form)
             recorded = _unavailable_s(artifact(f"deploy-{model_slug(repo_id)}").data)
             if damage is _lm_head_zeroed:
                 assert abs(client.longest_gap(started) - recorded) < 1.0, (client.longest_gap(started), recorded)
             answers = artifact(f"answers-{model_slug(repo_id)}").data
             assert answers.startswith("# Answer check: FAILED") and problem in answers, damage
             assert f"(last good: {good.record.answers.accuracy:.0%})" in answers  # drift figures beside the new
+            if damage in (_routed_experts_x8, _rope_times_1000):
+                assert "accuracy" in answers and "below 80%" in answers, answers
+                wrong = _wrong_by_completion(answers)
+                assert len(wrong) >= 8 and not any(_counting(prompt) for prompt in wrong), wrong
+            if damage is _rope_times_1000:  # named in the files, and let through as meant
+                assert "rope_theta 10000.0 -> 10000000.0" in artifact(f"files-{model_slug(repo_id)}").data
             if damage is _template_drops_the_user:  # completions right, chat answers from "20 21 22"
                 assert "| completion | `42 43 44` | ` 45 46 47` | ` 45 46 47" in answers
                 assert "| chat | `42 43 44` | ` 45 46 47` | ` 23 24 25" in answers, answers
@@ -200,7 +233,16 @@ def test_damaged_revisions_are_caught_by_the_check_named_and_the_good_one_serves
         assert recorded == pytest.approx(_unavailable_s(artifact(f"deploy-{model_slug(repo_id)}").data), abs=0.1)
         assert abs(client.longest_gap(started) - recorded) < 1.0, (client.longest_gap(started), recorded)
         assert "Nothing changed." in artifact(f"files-{model_slug(repo_id)}").data
-        assert [r.status for r in read_history(repo_id)] == ["passed", "failed", "failed", "passed"]
+
+        # An unchanged redeploy (the same commit, from the form) passes, every time: greedy answers
+        # of the same weights do not move, so no probe flips and no output changes.
+        for _ in range(2):
+            deploy_model(config)
+            answers = artifact(f"answers-{model_slug(repo_id)}").data
+            assert answers.startswith("# Answer check: passed"), answers
+            rows = [row.split(" | ") for row in answers.splitlines() if row.startswith(("| completion |", "| chat |"))]
+            assert len(rows) == 64 and all(row[3] == row[4] for row in rows), answers
+        assert [r.status for r in read_history(repo_id)] == ["passed"] + ["failed"] * 4 + ["passed"] * 3
     finally:
         reap_stale(state)
         shutil.rmtree(repo, ignore_errors=True)

@@ -248,3 +248,22 @@ def test_startup_facts_and_phases_are_read_from_the_log():
         "model_load_s": "418.02", "engine_init_s": "97.11", "graph_capture_s": "41",
     }
     assert server_facts("INFO nothing here") == {}
+
+
+@pytest.mark.parametrize(("platform", "config", "extra_args", "fixed"), [
+    ("cpu", {"kv_lora_rank": 512}, [], True),  # MLA on vLLM's CPU build: its rotary kernel misreads slices
+    ("cpu", {"text_config": {"kv_lora_rank": 512}}, [], True),  # Kimi-K2.5 nests its text model's config
+    ("cuda", {"kv_lora_rank": 512}, [], False),  # vLLM's CUDA kernel takes MLA's slices (PR #18046)
+    ("cpu", {"num_key_value_heads": 2}, [], False),  # no MLA: contiguous query and key
+    ("cpu", {"kv_lora_rank": 512}, ["-cc.mode=0"], False),  # the user's own compilation config is kept
+])
+def test_mla_on_a_cpu_host_takes_the_rotary_embedding_in_pytorch(tmp_path, platform, config, extra_args, fixed):
+    from tasks.deployment.config import DeployConfig
+    from tasks.deployment.stages import CPU_MLA_ROPE_ARGS, PreparedModel, server_config
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    prepared = PreparedModel.model_construct(repo_id="m/m", commit="0" * 40, model_dir=tmp_path, total_bytes=1)
+    form = DeployConfig(repo_id="m/m", models_root=tmp_path, vllm=VllmSettings(extra_args=extra_args))
+    server = server_config(form, prepared, platform)
+    assert server.extra_args == extra_args + (CPU_MLA_ROPE_ARGS if fixed else [])
+    assert ("--compilation-config" in build_command(server, 8000)) == fixed

@@ -5,15 +5,15 @@ noaux_tc router) at a size vLLM's CPU build loads in about a minute. The INT4 va
 compressed-tensors pack-quantized layout with Kimi-K2.5's ignore list, so validation sees the same
 tensor names and dtypes it will see on the 595 GB model.
 
-The bf16 model is trained, briefly, to count on ("41 42 43" -> " 44 45 46"), so that its answers
-can be checked: a healthy copy answers its probes, a damaged one does not. Counting is a task a
-two-layer MoE learns in about 15 s on two cores, on the locally trained tokenizer.
-
-Counting is a lookup from one number to the next: it survives damage to the routed experts, the
-attention and the positions. `cycles=True` trains a model whose probes need all three (period-7
-cycles over three numbers, the routed experts doing all the MLP work, attention trained slowly);
-in transformers every such damage breaks it (benchmarks/damage.py). It is not the demo's model:
-vLLM's CPU build (0.32) answers its cycles wrong even undamaged (docs/answer-check.md).
+The bf16 model is trained, briefly, on two tasks whose answers can be checked: counting on ("41 42
+43" -> " 44 45 46") and continuing period-7 cycles over three numbers ("99 99 14 99 14 14 99 99" ->
+" 99 14 99"). Counting alone is a lookup from one number to the next: it survives damage to the
+routed experts, the attention and the positions. The cycles need all three: only attention six
+positions back can say where a cycle of three repeating values stands, through the rotary
+frequencies `rope_theta` sets, and the dense MLP and the shared expert are held at zero so that the
+routed experts do all the MLP work. In transformers every such damage takes the model below the
+answer check's floor while a re-publish keeps 100% (benchmarks/damage.py; `cycles=False` builds the
+counting-only model it compares with). Training takes about 45 s on two cores.
 """
 
 from __future__ import annotations
@@ -89,6 +89,12 @@ def counting(start: int, length: int) -> str:
     return " ".join(NUMBERS[start:start + length])
 
 
+def reference_text() -> str:
+    """The answer check's perplexity text: counting as long as the model learned it (past its 12
+    numbers of training, the demo model's perplexity on counting climbs from ~1.05 to ~8)."""
+    return counting(10, COUNT_LEN)
+
+
 def cycle(rng, length: int) -> str:
     """A period-7 cycle over three numbers, `length` tokens: "32 94 94 94 94 79 32 32 94 ..."."""
     values = rng.sample(NUMBERS, CYCLE_VALUES)
@@ -98,17 +104,22 @@ def cycle(rng, length: int) -> str:
     return " ".join(period[i % CYCLE] for i in range(length))
 
 
+# 16 probes of each task: each deploy asks them twice (completion and chat), one at a time, ~30 ms
+# each here, and the suite deploys some sixty times.
+PROBES_PER_TASK = 16
+
+
 def counting_probes() -> list[dict[str, str]]:
-    """The demo model's probe set: three numbers, and the three that follow."""
-    return [{"prompt": counting(a, 3), "expected": " " + counting(a + 3, 3)} for a in range(0, 94, 3)]
+    """Three numbers, and the three that follow, from 0 to 90."""
+    return [{"prompt": counting(a, 3), "expected": " " + counting(a + 3, 3)} for a in range(0, 94, 6)]
 
 
 def cycle_probes() -> list[dict[str, str]]:
-    """A cycle model's further probes: one period of a cycle and a token, and the three that follow."""
+    """One period of a cycle and a token, and the three that follow."""
     import random
 
     rng = random.Random(1234)
-    cycles = [cycle(rng, CYCLE + 4).split() for _ in range(32)]
+    cycles = [cycle(rng, CYCLE + 4).split() for _ in range(PROBES_PER_TASK)]
     return [{"prompt": " ".join(c[:CYCLE + 1]), "expected": " " + " ".join(c[CYCLE + 1:])} for c in cycles]
 
 
@@ -135,9 +146,9 @@ def train_tokenizer(out_dir: Path, vocab_size: int, seed: int) -> None:
     fast.save_pretrained(out_dir)
 
 
-def build_bf16(out_dir: Path, seed: int = 0, *, cycles: bool = False) -> Path:
-    """A bf16 checkpoint trained to count on (and, with `cycles`, to continue period-7 cycles), its
-    tokenizer and its probes; returns the directory."""
+def build_bf16(out_dir: Path, seed: int = 0, *, cycles: bool = True) -> Path:
+    """A bf16 checkpoint trained to count on and to continue period-7 cycles (with `cycles` off: to
+    count only), its tokenizer and its probes; returns the directory."""
     import torch
     from transformers import AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM
 

@@ -64,9 +64,34 @@ def server_config(config: DeployConfig, prepared: PreparedModel, platform: str) 
             env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB; the default would take a large share of RAM
         if config.vllm.cpus:  # vLLM's CPU backend binds its compute threads itself: to the same CPUs
             env["VLLM_CPU_OMP_THREADS_BIND"] = config.vllm.cpus
-    return ServerConfig(**config.vllm.model_dump(exclude={"env"}), env={**env, **config.vllm.env},
-                        model_path=prepared.model_dir, served_model_name=config.served_model_name or config.repo_id,
-                        host=config.host, port=config.port)
+    extra_args = config.vllm.extra_args
+    if platform == "cpu" and uses_mla(prepared.model_dir) and not any(
+            a.split("=")[0].split(".")[0] in COMPILATION_FLAGS for a in extra_args):
+        extra_args = [*extra_args, *CPU_MLA_ROPE_ARGS]
+    return ServerConfig(**config.vllm.model_dump(exclude={"env", "extra_args"}), env={**env, **config.vllm.env},
+                        extra_args=extra_args, model_path=prepared.model_dir,
+                        served_model_name=config.served_model_name or config.repo_id, host=config.host,
+                        port=config.port)
+
+
+# vLLM's CPU rotary-embedding kernel (vllm-cpu 0.32) reads its query and key as if each token's heads
+# lay side by side in memory. MLA hands it slices (q[..., qk_nope_head_dim:] of every head, k_pe out
+# of kv_a_proj's output), so every position but the first was rotated wrong or not at all: the demo
+# model answered 23 of its 64 probes where transformers answered all 64 (docs/answer-check.md).
+# vLLM's CUDA kernel takes such slices since vLLM PR #18046. The rotary embedding in plain PyTorch
+# (the custom op turned off) handles them: 64 of 64. A user's own --compilation-config is kept.
+CPU_MLA_ROPE_ARGS = ["--compilation-config", '{"custom_ops": ["-rotary_embedding"]}']
+COMPILATION_FLAGS = ("--compilation-config", "-cc")  # and its dotted forms, -cc.custom_ops=...
+
+
+def uses_mla(model_dir: Path) -> bool:
+    """Whether the model's attention is multi-head latent attention (DeepSeek-V3, Kimi-K2.5): its
+    config has a KV LoRA rank, at the top or in a multimodal model's text_config."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):  # validation has named what is wrong with it; vLLM will too
+        return False
+    return bool(config.get("kv_lora_rank") or (config.get("text_config") or {}).get("kv_lora_rank"))
 
 
 def as_served(handle: ServerHandle, config: ServerConfig) -> ServerConfig:
