@@ -9,6 +9,7 @@ import contextlib
 import time
 
 import numpy as np
+import pytest
 
 from tasks.fleet.canary import TTFT, Histogram, HostWindow, judge_canary, parse_histograms
 from tasks.fleet.router import HAProxy, ServerStats, Traffic, rotation
@@ -44,12 +45,12 @@ def test_drain_swap_admit_under_load_then_a_host_dies_and_one_serves_nothing(tmp
         with SteadyLoad(f"http://127.0.0.1:{front}", "fake", streams=4, max_tokens=20) as load:
             _until(lambda: len(load.requests) > 20)
             before = at.read()
-            drained_s = at.drain("host-a")  # no new requests; those in flight finish first
-            assert at.server("host-a").status == "DRAIN" and at.server("host-a").current == 0 and drained_s < 5
-            servers["host-a"].__exit__()  # the swap: the old server stops, the next one starts on its port
-            servers["host-a"] = hosts.enter_context(_host(ports["host-a"]))
-            admitted = at.admit("host-a")
-            assert admitted.in_rotation and rotation(admitted) == "in rotation"
+            with at.out_of_rotation("host-a") as spell:  # no new requests; those in flight finish first
+                assert at.server("host-a").status == "DRAIN" and at.server("host-a").current == 0
+                assert spell.drained_s < 5 and spell.admitted is None
+                servers["host-a"].__exit__()  # the swap: the old server stops, the next one starts on its port
+                servers["host-a"] = hosts.enter_context(_host(ports["host-a"]))
+            assert spell.admitted.in_rotation and rotation(spell.admitted) == "in rotation"
             served = at.server("host-a").requests
             _until(lambda: at.server("host-a").requests > served + 5)  # it takes its share again
             after = at.read()
@@ -75,8 +76,12 @@ def test_drain_swap_admit_under_load_then_a_host_dies_and_one_serves_nothing(tmp
         assert 1 <= len(failed) <= 4 and traffic.failed == len(failed), (traffic, [r.error for r in failed])
         assert traffic.out_of_rotation == ("host-b",)
 
-        # Admitted with nothing serving: the health check keeps it out, and maintenance keeps it there.
-        kept_out = at.admit("host-b", timeout_s=3)
+        # Admitted with nothing serving, after a deploy that failed: the health check keeps it out,
+        # and maintenance keeps it there.
+        with pytest.raises(RuntimeError), HAProxy(router.model_copy(update={"admit_timeout_s": 3})).out_of_rotation(
+                "host-b") as spell:
+            raise RuntimeError("the deploy failed")
+        kept_out = spell.admitted
         assert kept_out.status == "MAINT" and not kept_out.in_rotation
         assert rotation(kept_out) == "out of rotation: it failed the router's health check, kept in maintenance"
 

@@ -20,6 +20,8 @@ import csv
 import io
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -175,6 +177,24 @@ class HAProxy:
             self.set_state(name, "maint")
             return self.server(name)
         return now
+
+    @contextmanager
+    def out_of_rotation(self, name: str) -> Iterator[OutOfRotation]:
+        """The host drained before the body (a deploy, a rollback) and admitted after it, whatever it
+        ended with: the router's health check then keeps a host that serves nothing out."""
+        spell = OutOfRotation(drained_s=self.drain(name))
+        try:
+            yield spell
+        finally:
+            spell.admitted = self.admit(name)
+
+
+@dataclass
+class OutOfRotation:
+    """A host's time out of rotation: how long its drain took, and its state once admitted again."""
+
+    drained_s: float
+    admitted: ServerStats | None = None  # set when the body has ended
 
 
 def rotation(server: ServerStats) -> str:

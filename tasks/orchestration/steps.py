@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import os
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -317,7 +318,11 @@ def run_on_host(deployment: str, parameters: dict, pickup_deadline_s: float, *,
     from prefect.states import Cancelled
 
     try:
-        run = run_deployment(deployment, parameters=parameters, timeout=0, tags=tags)
+        # A key of this call's own: when the Prefect server stalls (SQLite held for a minute under
+        # load) and the client retries its request, the server returns the run it created instead of
+        # a second one, which the deployment's concurrency limit cancelled, and which was followed.
+        run = run_deployment(deployment, parameters=parameters, timeout=0, tags=tags,
+                             idempotency_key=f"{deployment}:{uuid.uuid4()}")
     except ObjectNotFound as exc:
         raise HostUnreachable(f"no deployment {deployment}; add the host to deployments/hosts.yaml, run `rollout "
                               "deployments` and register them") from exc
@@ -347,17 +352,13 @@ def deploy_on_host(host: FleetHost, wave: int, config: DeployConfig, *, pickup_d
     """
     if router is None:
         return _deploy_on_host(host, wave, config, pickup_deadline_s=pickup_deadline_s)
-    at_router = HAProxy(router)
-    drained_s = at_router.drain(host.name)
-    get_run_logger().info("%s: drained at the router in %.1f s", host.name, drained_s)
-    outcome = None
-    try:
+    logger = get_run_logger()
+    with HAProxy(router).out_of_rotation(host.name) as spell:
+        logger.info("%s: drained at the router in %.1f s", host.name, spell.drained_s)
         outcome = _deploy_on_host(host, wave, config, pickup_deadline_s=pickup_deadline_s)
-    finally:
-        admitted = at_router.admit(host.name)
-        get_run_logger().log(logging.INFO if admitted.in_rotation else logging.ERROR,
-                             "%s: %s at the router", host.name, rotation(admitted))
-    return dataclasses.replace(outcome, drained_s=drained_s)
+    logger.log(logging.INFO if spell.admitted.in_rotation else logging.ERROR, "%s: %s at the router", host.name,
+               rotation(spell.admitted))
+    return dataclasses.replace(outcome, drained_s=spell.drained_s)
 
 
 @task(name="canary-on-live-traffic", task_run_name="{canary.host.name} on live traffic", cache_policy=NO_CACHE)
@@ -372,20 +373,17 @@ def canary_on_live_traffic(router: RouterConfig, canary: HostOutcome, *, rest: l
     logger.log(logging.INFO if judged.passed else logging.ERROR, "%s on live traffic: %s", name, judged.summary())
     if judged.passed:
         return dataclasses.replace(canary, live=judged.summary())
-    at_router = HAProxy(router)
-    at_router.drain(name)
-    try:
-        run = run_on_host(f"rollback-model/{name}", {"target": {"models_root": str(canary.host.models_root)}},
-                          pickup_deadline_s)
-        back = ("the deployment before it serves again" if run.state and run.state.is_completed() else
-                f"its rollback ended {run.state.name if run.state else 'without a state'}: "
-                f"{(run.state.message or '') if run.state else ''}")
-    except HostUnreachable as exc:
-        back = f"its rollback could not run: {first_line(exc)}"
-    finally:
-        admitted = at_router.admit(name)
+    with HAProxy(router).out_of_rotation(name) as spell:
+        try:
+            run = run_on_host(f"rollback-model/{name}", {"target": {"models_root": str(canary.host.models_root)}},
+                              pickup_deadline_s)
+            back = ("the deployment before it serves again" if run.state and run.state.is_completed() else
+                    f"its rollback ended {run.state.name if run.state else 'without a state'}: "
+                    f"{(run.state.message or '') if run.state else ''}")
+        except HostUnreachable as exc:
+            back = f"its rollback could not run: {first_line(exc)}"
     return dataclasses.replace(canary, serving=False, live=judged.summary(), verdict=(
-        f"Rolled back: {what} failed on live traffic: {judged.summary()}; {back}; {rotation(admitted)}"))
+        f"Rolled back: {what} failed on live traffic: {judged.summary()}; {back}; {rotation(spell.admitted)}"))
 
 
 def _deploy_on_host(host: FleetHost, wave: int, config: DeployConfig, *, pickup_deadline_s: float) -> HostOutcome:
