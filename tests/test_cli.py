@@ -13,18 +13,21 @@ runner = CliRunner()
 @pytest.mark.parametrize(
     "args, expected",
     [
-        (["--tp", "0"], "bad option tensor_parallel_size: Input should be greater than or equal to 1"),
+        (["--tp", "0"], "bad option --tp: Input should be greater than or equal to 1"),  # as typed
         (["--concurrency", "1,x"], "bad option --concurrency '1,x'"),
-        (["--concurrency", "0,4"], "bad option concurrency_levels"),
-        (["--output-len", "1"], "bad option output_len"),
-        (["--max-regression", "2"], "bad option max_regression"),
+        (["--tensor-parallel-size", "0"], "bad option --tensor-parallel-size: Input should be"),
+        (["--concurrency", "0,4"], "bad option --concurrency: every concurrency level must be >= 1"),
+        (["--output-len", "1"], "bad option --output-len"),
+        (["--max-regression", "2"], "bad option --max-regression"),
         (["--max-model-len", "1024"], "error: --input-len 1024 + --output-len 256 = 1280 tokens per request, beyond "
                                       "--max-model-len 1024: every request would be refused"),
-        (["--answers-min-accuracy", "2"], "bad option min_accuracy"),
+        (["--answers-min-accuracy", "2"], "bad option --answers-min-accuracy: Input should be less than or equal to 1"),
     ],
 )
-def test_bad_deploy_options_name_the_option(args, expected, tmp_path):
-    result = runner.invoke(app, ["deploy", "org/model", "--models-root", str(tmp_path), *args])
+def test_bad_deploy_options_name_the_option(args, expected, tmp_path, monkeypatch):
+    command = ["deploy", "org/model", "--models-root", str(tmp_path), *args]
+    monkeypatch.setattr("sys.argv", ["rollout", *command])  # the flag named is the one typed
+    result = runner.invoke(app, command)
     assert result.exit_code == 2
     assert expected in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
@@ -56,8 +59,8 @@ def test_bench_sweeps_any_openai_server_until_it_saturates(tmp_path):
     [
         (["--model", "other", "--vocab-size", "1000"], 1, "--model 'other' is not served at"),
         (["--model", "fake", "--dataset", "/nonexistent.jsonl"], 2, "/nonexistent.jsonl: not JSONL of"),
-        (["--model", "fake", "--vocab-size", "1000", "--output-len", "1"], 2, "bad option output_len"),
-        (["--model", "fake", "--vocab-size", "1000", "--client-cpus", "0-"], 2, "bad option client_cpus"),
+        (["--model", "fake", "--vocab-size", "1000", "--output-len", "1"], 2, "bad option --output-len"),
+        (["--model", "fake", "--vocab-size", "1000", "--client-cpus", "0-"], 2, "bad option --client-cpus"),
     ],
 )
 def test_bench_refuses_bad_input_in_one_line(args, code, expected, tmp_path):

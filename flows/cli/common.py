@@ -64,8 +64,9 @@ def from_options(group: Group, options: dict, **fields):
         typer.echo(f"error: {exc}", err=True)
     except ValidationError as exc:  # nothing has started
         err = exc.errors()[0]
-        if err["loc"]:
-            typer.echo(f"error: bad option {'.'.join(str(p) for p in err['loc'])}: {err['msg']}", err=True)
+        if err["loc"]:  # the field's flag, as the user typed it
+            typer.echo(f"error: bad option {flag(group.prefix + str(err['loc'][0]), sys.argv[1:])}: "
+                       f"{err['msg'].removeprefix('Value error, ')}", err=True)
         else:  # a rule over several fields: their flags, as the user typed them
             typer.echo(f"error: {as_flags(err['msg'].removeprefix('Value error, '))}", err=True)
     raise typer.Exit(2)
@@ -75,7 +76,7 @@ def as_flags(message: str) -> str:
     """A form's field paths (`bench.input_len`) in a message, as the command's flags (`--input-len`)."""
     prefixes = {"answers": ANSWERS.prefix}
     return re.sub(r"\b(?:(vllm|bench|answers)\.)?([a-z_]+[a-z])\b",
-                  lambda m: flag(prefixes.get(m[1], "") + m[2]) if m[1] else m[0], message)
+                  lambda m: flag(prefixes.get(m[1], "") + m[2], sys.argv[1:]) if m[1] else m[0], message)
 
 
 def deploy_config(repo_id: str, options: dict) -> DeployConfig:

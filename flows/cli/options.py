@@ -78,8 +78,12 @@ def _decls(name: str) -> tuple[str, ...]:
     return ALIASES.get(name, (f"--{name.replace('_', '-')}",))
 
 
-def flag(name: str) -> str:
-    return _decls(name)[0].split("/")[0]
+def flag(name: str, argv: list[str] | None = None) -> str:
+    """The field's flag as the command line in `argv` spelled it (`--tp`, where it was typed so), else
+    its first spelling (`--tensor-parallel-size`)."""
+    spellings = [spelling for decl in _decls(name) for spelling in decl.split("/")]
+    typed = {arg.split("=")[0] for arg in argv or ()}
+    return next((s for s in spellings if s in typed), spellings[0])
 
 
 def _optional(annotation) -> tuple[Any, bool]:
