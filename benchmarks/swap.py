@@ -8,7 +8,8 @@ first answer:
 - cold (page cache dropped) against prewarmed (the shards read into the page cache first, as
   the deploy does while the old server still answers; the read's own time is printed apart);
 - vLLM's load strategies on a cold cache: lazy (mmap, its default on a local disk), eager,
-  prefetch;
+  prefetch; and its other loaders where their packages are installed (`pip install -e
+  ".[loaders]"`): `--load-format runai_streamer` (Run:ai Model Streamer) and `fastsafetensors`;
 - torch.compile's cache cold against warm (compilation on, a fresh VLLM_CACHE_ROOT, then the same
   root again);
 - a rollback's start (the model just stopped: its pages and compile cache warm) against its cold
@@ -22,6 +23,7 @@ start; the output says whether that worked here. Run from the repository root:
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -32,6 +34,7 @@ from pathlib import Path
 
 from flows.demo.checkpoint import train_tokenizer
 from tasks.cpus import server_and_client_cpus
+from tasks.errors import ServerStartError
 from tasks.prewarm import prewarm
 from tasks.vllm.process import stop_server
 from tasks.vllm.readiness import running_facts, start_and_wait
@@ -127,14 +130,28 @@ def main() -> None:
         warmed = prewarm(model, margin_bytes=2 * 2**30)
         print(f"    prewarm: {warmed.text()}")
         prewarmed = start(model, run_dir, **eager)
-        strategies = {"lazy": cold}
+        strategies: dict[str, float | str] = {"lazy": cold}
         for strategy in ("eager", "prefetch"):
             print(f"cold start, --safetensors-load-strategy {strategy}:", flush=True)
             drop_caches()
             strategies[strategy] = start(model, run_dir, safetensors_load_strategy=strategy, **eager)
         print("rollback start (the model just stopped: its pages still cached):", flush=True)
         rollback = start(model, run_dir, **eager)
+        loaders = (("runai_streamer", "runai_model_streamer"), ("fastsafetensors", "fastsafetensors"))
+        for load_format, package in loaders:
+            print(f"cold start, --load-format {load_format}:", flush=True)
+            if importlib.util.find_spec(package) is None:
+                strategies[load_format] = f"not installed ({package})"
+                print(f"    {strategies[load_format]}")
+                continue
+            drop_caches()
+            try:
+                strategies[load_format] = start(model, run_dir, load_format=load_format, **eager)
+            except ServerStartError as exc:
+                strategies[load_format] = f"failed: {exc}"
+                print(f"    {strategies[load_format]}")
 
+        prewarm(model, margin_bytes=2 * 2**30)  # both compile starts with the pages warm: the cache is the difference
         cache = {"VLLM_CACHE_ROOT": str(work / "vllm-cache")}
         print("with torch.compile, compile cache cold (a fresh VLLM_CACHE_ROOT; pages warm):", flush=True)
         compile_cold = start(model, run_dir, env=cache)
@@ -145,7 +162,8 @@ def main() -> None:
         print(f"cold load / prewarmed load:            {cold:6.1f} s / {prewarmed:6.1f} s = x{cold / prewarmed:.2f}"
               f"   (the prewarm's {warmed.seconds:.1f} s ran before the stop)")
         for name, seconds in strategies.items():
-            print(f"load strategy {name:8s} (cold):        {seconds:6.1f} s = x{seconds / cold:.2f} of lazy")
+            print(f"loader {name:15s} (cold):        " + (f"{seconds:6.1f} s = x{seconds / cold:.2f} of lazy"
+                                                          if isinstance(seconds, float) else seconds))
         print(f"compile cache cold / warm:             {compile_cold:6.1f} s / {compile_warm:6.1f} s "
               f"= x{compile_cold / compile_warm:.2f}")
         print(f"rollback start / cold start:           {rollback:6.1f} s / {cold:6.1f} s = x{rollback / cold:.2f}")

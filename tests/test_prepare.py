@@ -74,7 +74,7 @@ def test_token_from_a_secret_block_reaches_the_hub_and_nowhere_else(hub_root, tm
             assert TOKEN not in seen
 
 
-def _stale_model(models_root, size: int = 40 * 10**6):
+def _stale_model(models_root, size: int = 400 * 10**6):
     folder = models_root / "old-nvfp4-by-hand"
     folder.mkdir(parents=True)
     (folder / "model.safetensors").write_bytes(os.urandom(size))
@@ -86,7 +86,9 @@ def test_dry_run_plans_and_refuses_then_evict_deletes_and_measures(local_hub, hu
     models = tmp_path / "models"
     stale = _stale_model(models)
     model_bytes = sum(f.stat().st_size for f in (hub_root / BF16_REPO).iterdir())
-    # the new model (about 6 MB) plus the margin is 20 MB more than the disk has: the 40 MB folder must go
+    # the new model (about 6 MB) plus the margin is 20 MB more than the disk has: the 400 MB folder must go
+    # (it leaves room for what the tests beside this one write to the same disk meanwhile: with 40 MB,
+    # the other worker's writes once made the gap larger than the folder)
     margin = (measure(models).free_bytes - model_bytes + 20 * 10**6) / GB
     config = demo_config(local_hub.endpoint, models, disk_margin_gb=margin)
     with pytest.raises(DiskSpaceError, match=r"dry run: .*old-nvfp4-by-hand.*set evict=true"):
@@ -100,7 +102,7 @@ def test_dry_run_plans_and_refuses_then_evict_deletes_and_measures(local_hub, hu
     assert not stale.exists()
     assert prepared.validation.verdict == "pass"
     after = artifact("disk-after-demo-tiny-moe").data
-    assert "Free before" in after and "measured 0.04 GB, planned 0.04 GB" in after
+    assert "Free before" in after and "measured 0.40 GB, planned 0.40 GB" in after
     assert [m.name for m in inventory(models)] == [f"{BF16_REPO}@{prepared.commit[:12]}"]
     shutil.rmtree(models)
 
