@@ -10,8 +10,8 @@ first answer:
 - vLLM's load strategies on a cold cache: lazy (mmap, its default on a local disk), eager,
   prefetch; and its other loaders where their packages are installed (`pip install -e
   ".[loaders]"`): `--load-format runai_streamer` (Run:ai Model Streamer) and `fastsafetensors`;
-- torch.compile's cache cold against warm (compilation on, a fresh VLLM_CACHE_ROOT, then the same
-  root again);
+- torch.compile's cache cold against warm (compilation on, the deploy's cache on the models disk:
+  fresh, then the same again; on the CPU build that is Inductor's own cache, beside VLLM_CACHE_ROOT);
 - a rollback's start (the model just stopped: its pages and compile cache warm) against its cold
   start.
 
@@ -27,19 +27,27 @@ import importlib.util
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from flows.demo.checkpoint import train_tokenizer
 from tasks.cpus import server_and_client_cpus
+from tasks.deployment.stages import compile_cache_env
 from tasks.errors import ServerStartError
 from tasks.prewarm import prewarm
-from tasks.vllm.process import stop_server
+from tasks.vllm.command import build_command, check_arguments
+from tasks.vllm.process import prestart_server, stop_server, wait_imported
 from tasks.vllm.readiness import running_facts, start_and_wait
 from tasks.vllm.settings import ServerConfig
 
+# vLLM's process layout: its default (the API server, the engine core and a worker, each a process:
+# as GPU hosts run it; the CPU build starts each with `spawn`, so each imports vLLM again), and the
+# demo's (the worker inside the engine core's process, VLLM_ENABLE_V1_MULTIPROCESSING=0).
+LAYOUTS = {"vLLM's default layout": {}, "the demo's layout": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
 HIDDEN, INTERMEDIATE, VOCAB = 2048, 5632, 1024
 LAYER_BYTES = 2 * (4 * HIDDEN * HIDDEN + 3 * HIDDEN * INTERMEDIATE)
 
@@ -94,13 +102,16 @@ def big_checkpoint(folder: Path, gb: float) -> Path:
     return folder
 
 
-def start(model: Path, run_dir: Path, **settings) -> float:
-    """Seconds from launch to the first answer (readiness includes a real token); then stopped."""
+def launch_config(model: Path, *, port: int = 0, **settings) -> ServerConfig:
     server_cpus, _ = server_and_client_cpus()
     env = {"VLLM_CPU_OMP_THREADS_BIND": server_cpus, **settings.pop("env", {})}
-    cfg = ServerConfig(model_path=model, served_model_name="swap", port=0, max_model_len=1024, cpus=server_cpus,
-                       kv_cache_memory_bytes=2**30, env=env, **settings)
-    handle = start_and_wait(cfg, run_dir, timeout_s=900)
+    return ServerConfig(model_path=model, served_model_name="swap", port=port, max_model_len=1024, cpus=server_cpus,
+                        kv_cache_memory_bytes=2**30, env=env, **settings)
+
+
+def start(model: Path, run_dir: Path, **settings) -> float:
+    """Seconds from launch to the first answer (readiness includes a real token); then stopped."""
+    handle = start_and_wait(launch_config(model, **settings), run_dir, timeout_s=900, poll_s=0.25)
     try:
         facts = running_facts(handle)
     finally:
@@ -108,6 +119,43 @@ def start(model: Path, run_dir: Path, **settings) -> float:
     phases = ", ".join(f"{k.removesuffix('_s')} {v:.1f}" for k, v in facts.phases.items() if k != "startup_s")
     print(f"    ready in {handle.startup_s:6.1f} s  ({phases})", flush=True)
     return handle.startup_s
+
+
+def swap(old_model: Path, new_model: Path, run_dir: Path, *, prewarmed: bool, prestarted: bool,
+         env: dict[str, str]) -> float:
+    """One swap as the deploy makes it, on one port: the old model serving, the new model's pages
+    dropped; then (as chosen) the new shards read into the page cache and the new vLLM imported and
+    held at its gate, both while the old one answers; then the stop. Returns the seconds from the
+    old server's stop to the new one's first answer: what the host's clients go without."""
+    port = free_port()
+    old = start_and_wait(launch_config(old_model, port=port, enforce_eager=True, env=env), run_dir / "old",
+                         timeout_s=900)
+    new_cfg = launch_config(new_model, port=port, enforce_eager=True, env=env)
+    check_arguments(build_command(new_cfg, port), run_dir / "new")  # the deploy vets it during the download
+    pre = None
+    try:
+        drop_caches()
+        if prewarmed:
+            print(f"    prewarm (the old one answering): {prewarm(new_model, margin_bytes=2 * 2**30).text()}")
+        if prestarted:
+            pre = prestart_server(new_cfg, run_dir / "new")
+            print(f"    prestart (the old one answering): vLLM imported in {wait_imported(pre, 300):.1f} s, held")
+    finally:
+        stopped = time.monotonic()
+        stop_server(old)
+    stop_s = time.monotonic() - stopped
+    new = start_and_wait(new_cfg, run_dir / "new", timeout_s=900, prestarted=pre, poll_s=0.25)
+    unavailable = time.monotonic() - stopped
+    stop_server(new)
+    print(f"    unavailable {unavailable:6.1f} s  (the old server's stop {stop_s:.1f}, "
+          f"the new start {new.startup_s:.1f})", flush=True)
+    return unavailable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def main() -> None:
@@ -121,6 +169,15 @@ def main() -> None:
               f"page cache drop: {'works (root)' if dropped else 'NOT possible here: cold figures are warm'}")
         run_dir = work / "run"
         eager = dict(enforce_eager=True)
+
+        old_model = big_checkpoint(work / "old", 0.3)  # the model the host serves before the swap
+        downtime = {}
+        for layout, env in LAYOUTS.items():
+            for name, prewarmed, prestarted in (("cold", False, False), ("prewarmed", True, False),
+                                                ("prewarmed and prestarted", True, True)):
+                print(f"swap, {name} ({layout}):", flush=True)
+                downtime[layout, name] = swap(old_model, model, work / "swap", prewarmed=prewarmed,
+                                              prestarted=prestarted, env=env)
 
         print("cold start (lazy, vLLM's default):", flush=True)
         drop_caches()
@@ -152,13 +209,18 @@ def main() -> None:
                 print(f"    {strategies[load_format]}")
 
         prewarm(model, margin_bytes=2 * 2**30)  # both compile starts with the pages warm: the cache is the difference
-        cache = {"VLLM_CACHE_ROOT": str(work / "vllm-cache")}
-        print("with torch.compile, compile cache cold (a fresh VLLM_CACHE_ROOT; pages warm):", flush=True)
+        cache = compile_cache_env(work / "vllm-cache", "cpu")  # the deploy's: vLLM's and Inductor's on one disk
+        print("with torch.compile, compile cache cold (a fresh cache on the models disk; pages warm):", flush=True)
         compile_cold = start(model, run_dir, env=cache)
         print("the same, compile cache warm (same root):", flush=True)
         compile_warm = start(model, run_dir, env=cache)
 
         print()
+        for layout in LAYOUTS:
+            cold_s = downtime[layout, "cold"]
+            for name in ("prewarmed", "prewarmed and prestarted"):
+                print(f"swap downtime ({layout}), {name} / cold: {downtime[layout, name]:6.1f} s / {cold_s:6.1f} s "
+                      f"= x{downtime[layout, name] / cold_s:.2f}")
         print(f"cold load / prewarmed load:            {cold:6.1f} s / {prewarmed:6.1f} s = x{cold / prewarmed:.2f}"
               f"   (the prewarm's {warmed.seconds:.1f} s ran before the stop)")
         for name, seconds in strategies.items():

@@ -71,6 +71,7 @@ from tasks.orchestration.steps import (
     check_gpus,
     compare_with_last_good,
     join_on_host,
+    prestart_vllm,
     prewarm_model,
     probe_gpus,
     publish_record,
@@ -83,7 +84,7 @@ from tasks.orchestration.steps import (
 from tasks.serving import Serving
 from tasks.vllm.command import warming_option_table
 from tasks.vllm.gap import GapProbe, Unavailability
-from tasks.vllm.process import reap_stale, serving_group, serving_headless
+from tasks.vllm.process import Prestarted, cancel_prestart, reap_stale, serving_group, serving_headless
 from tasks.vllm.readiness import slow_start
 from tasks.vllm.settings import ServerConfig
 
@@ -213,6 +214,7 @@ def _swap(config: DeployConfig, previous: LastGood | None, prepared: PreparedMod
     begin_swap(config.run_dir, what=f"{config.repo_id}@{prepared.commit[:12]}", models_root=config.models_root,
                flow_run_id=str(flow_run.get_id() or "") or None)
     old_pgid = previous.serving_pgid if previous else None
+    prestarted = None
     try:
         # A client's view of the swap: one-token completions every 0.5 s to whatever server the
         # host records, from before the old one stops until the next one answers.
@@ -230,13 +232,15 @@ def _swap(config: DeployConfig, previous: LastGood | None, prepared: PreparedMod
             if previous is None:
                 probe.pause()  # nothing served before: no gap to measure, and no load to add
             else:  # from here a failure restores it
+                if config.prestart:  # the new server's imports while the old one answers
+                    prestarted = prestart_vllm(server, config.run_dir, api_key_secret=config.api_key_secret)
                 probe.wait_for_answer(old_pgid)  # the old server's last answer is the gap's start
                 stop_serving(config.run_dir, _what(previous))
                 _group(_left_behind(previous, config), "leave")
             try:
                 _group(config.group_members(), "join")  # the leader waits for every rank at start-up
                 served = _serve_and_bench(config, prepared, gpu, server, last_run=last_run,
-                                          same_weights=same_weights, swap_gap=swap_gap)
+                                          same_weights=same_weights, swap_gap=swap_gap, prestarted=prestarted)
             except BaseException as err:  # a start that failed: nothing was served
                 served = Served(error=err)
             if served.error is None:
@@ -257,6 +261,8 @@ def _swap(config: DeployConfig, previous: LastGood | None, prepared: PreparedMod
             return served, Restored(what=what, failed=failed, unavailable=swap_gap(
                 None if failed or restored is None else restored.serving_pgid))
     finally:
+        if prestarted is not None:  # one whose gate never opened (the stop failed): ended, not left waiting
+            cancel_prestart(prestarted)
         end_swap(config.run_dir)
 
 
@@ -279,13 +285,15 @@ def _check_files(config: DeployConfig, prepared: PreparedModel, last_good: LastG
 
 def _serve_and_bench(config: DeployConfig, prepared: PreparedModel, gpu: GpuProbe, server: ServerConfig, *,
                      last_run: RunRecord | None, same_weights: bool,
-                     swap_gap: Callable[[int | None], Unavailability | None]) -> Served:
+                     swap_gap: Callable[[int | None], Unavailability | None],
+                     prestarted: Prestarted | None = None) -> Served:
     """Start (readiness includes a real token), check its answers, sweep, publish, compare. Wrong
     answers or a regression end it with the run in the history either way; what stopped it is the
     result's `error`, the server stopped. A start that fails raises."""
     logger = get_run_logger()
     handle, facts = start_vllm(server, config.run_dir, config.startup_timeout_s, api_key_secret=config.api_key_secret,
-                               repo_id=config.repo_id, last_good_startup=last_run.startup if last_run else None)
+                               repo_id=config.repo_id, last_good_startup=last_run.startup if last_run else None,
+                               prestarted=prestarted)
     served = Served(handle=handle, slow_start=slow_start(facts.phases, last_run.startup if last_run else None))
     if served.slow_start:
         logger.warning("slow start: %s", served.slow_start)

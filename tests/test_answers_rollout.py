@@ -233,6 +233,8 @@ def test_damaged_revisions_are_caught_by_the_check_named_and_the_good_one_serves
         assert recorded == pytest.approx(_unavailable_s(artifact(f"deploy-{model_slug(repo_id)}").data), abs=0.1)
         assert abs(client.longest_gap(started) - recorded) < 1.0, (client.longest_gap(started), recorded)
         assert "Nothing changed." in artifact(f"files-{model_slug(repo_id)}").data
+        # Its vLLM was launched while the good one still answered, held at its gate until the stop.
+        assert "vllm.entrypoints.openai.api_server imported; waiting at" in (config.run_dir / "vllm.log").read_text()
 
         # An unchanged redeploy (the same commit, from the form) passes, every time: greedy answers
         # of the same weights do not move, so no probe flips and no output changes.

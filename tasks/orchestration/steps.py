@@ -67,7 +67,15 @@ from tasks.orchestration.history import read_deploy_outcome
 from tasks.prewarm import Prewarm, prewarm
 from tasks.tuning.measure import CandidateResult, measure, refusal
 from tasks.tuning.space import Candidate
-from tasks.vllm.process import ServerHandle, reap_stale, stop_server
+from tasks.vllm.process import (
+    Prestarted,
+    ServerHandle,
+    cancel_prestart,
+    prestart_server,
+    reap_stale,
+    stop_server,
+    wait_imported,
+)
 from tasks.vllm.readiness import ServerFacts, running_facts, start_and_wait
 from tasks.vllm.settings import ServerConfig, VllmSettings
 
@@ -182,15 +190,31 @@ def check_gpus(gpu: GpuProbe, plan: HardwarePlan, repo_id: str) -> list[Violatio
     return warnings
 
 
+@task(name="prestart-vllm", tags=["vllm"], cache_policy=NO_CACHE)
+def prestart_vllm(cfg: ServerConfig, run_dir: Path, *, api_key_secret: str | None,
+                  import_timeout_s: float = 300.0) -> Prestarted:
+    """The new server launched while the old one still answers, held at its gate once its imports are
+    done. A vLLM that cannot even import fails here, with the old server still serving."""
+    pre = prestart_server(cfg, run_dir, secret(api_key_secret))
+    try:
+        waited = wait_imported(pre, import_timeout_s)
+    except BaseException:
+        cancel_prestart(pre)
+        raise
+    get_run_logger().info("prestart: vLLM imported in %.1f s, held at its gate until the old server stops", waited)
+    return pre
+
+
 @task(name="start-vllm", tags=["vllm"], cache_policy=NO_CACHE)
 def start_vllm(cfg: ServerConfig, run_dir: Path, timeout_s: float, *, api_key_secret: str | None,
-               repo_id: str, failure_suffix: str = "",
-               last_good_startup: dict[str, float] | None = None) -> tuple[ServerHandle, ServerFacts]:
-    """Launch and wait until vLLM serves a real token (5-15 minutes for a 1T model); the task's
-    duration is the load. Its start-up log goes to the Prefect log as it comes; its phases are
-    published beside the last good start's."""
+               repo_id: str, failure_suffix: str = "", last_good_startup: dict[str, float] | None = None,
+               prestarted: Prestarted | None = None) -> tuple[ServerHandle, ServerFacts]:
+    """Launch (or open the gate of the one prestarted) and wait until vLLM serves a real token (5-15
+    minutes for a 1T model); the task's duration is the load. Its start-up log goes to the Prefect
+    log as it comes; its phases are published beside the last good start's."""
     try:
-        handle = start_and_wait(cfg, run_dir, timeout_s, api_key=secret(api_key_secret), report=get_run_logger().info)
+        handle = start_and_wait(cfg, run_dir, timeout_s, api_key=secret(api_key_secret), report=get_run_logger().info,
+                                prestarted=prestarted)
     except ServerStartError as err:
         artifacts.publish_server_failure(err, repo_id, failure_suffix)
         raise

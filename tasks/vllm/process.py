@@ -84,18 +84,46 @@ def _cpu_list(cpus: set[int]) -> str:
 
 def start_server(cfg: ServerConfig, run_dir: Path, api_key: str | None = None) -> ServerHandle:
     """Launch vLLM in a new session; the state file is written before anything can fail later."""
+    port, command = _checked_launch(cfg, run_dir)
+    if port is not None:
+        ensure_port_free(cfg.host, port)
+    log_path = run_dir / "vllm.log"
+    proc = _launch(command, cfg, log_path, api_key)
+    return _serving(cfg, run_dir, port=port, command=command, proc=proc, log_path=log_path, api_key=api_key)
+
+
+@dataclass
+class Prestarted:
+    """A vLLM launched ahead of its start and held at its gate (tasks.vllm.gate): its Python imports
+    run while the host's old server still answers; it binds no port and touches no accelerator, and
+    writes no state file (the run directory's server.json still names the old server), until
+    `open_gate`. It gives up by itself if the process that launched it dies."""
+
+    cfg: ServerConfig
+    run_dir: Path
+    port: int | None
+    command: list[str]  # vLLM's own command, as the server artifact and server.json show it
+    process: subprocess.Popen
+    gate: Path
+    log_path: Path
+    api_key: str | None = field(default=None, repr=False)
+
+
+def _checked_launch(cfg: ServerConfig, run_dir: Path) -> tuple[int | None, list[str]]:
+    """What every launch checks before anything runs: the model, the CPUs, the flags; its port."""
     if not cfg.model_path.is_dir():
         raise ServerStartError(f"model path {cfg.model_path} does not exist", "model-path-missing", "")
     if cfg.cpus and not parse_cpus(cfg.cpus) <= (usable := os.sched_getaffinity(0)):
         raise ServerStartError(f"cpus {cfg.cpus}: this host lets vLLM use CPUs {_cpu_list(usable)} only",
                                "cpus-unavailable", "")
     port = None if cfg.headless else cfg.port or _free_port(cfg.host)  # a headless node serves no API
-    if port is not None:
-        ensure_port_free(cfg.host, port)
     command = build_command(cfg, port)
     check_arguments(command, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    log_path = run_dir / "vllm.log"
+    return port, command
+
+
+def _launch(command: list[str], cfg: ServerConfig, log_path: Path, api_key: str | None) -> subprocess.Popen:
     env = {**os.environ, **cfg.env}
     if api_key:
         env["VLLM_API_KEY"] = api_key  # vLLM reads it there; on the command line it would show in ps
@@ -107,6 +135,11 @@ def start_server(cfg: ServerConfig, run_dir: Path, api_key: str | None = None) -
         # Popen has returned after exec, while vLLM is still importing: every process and thread it
         # starts later (engine core, workers) inherits this affinity.
         os.sched_setaffinity(proc.pid, parse_cpus(cfg.cpus))
+    return proc
+
+
+def _serving(cfg: ServerConfig, run_dir: Path, *, port: int | None, command: list[str], proc: subprocess.Popen,
+             log_path: Path, api_key: str | None) -> ServerHandle:
     handle = ServerHandle(
         pid=proc.pid, pgid=proc.pid, base_url=f"http://{cfg.host}:{port}" if port else "", log_path=log_path,
         state_file=run_dir / "server.json", command=command, process=proc, api_key=api_key,
@@ -114,6 +147,69 @@ def start_server(cfg: ServerConfig, run_dir: Path, api_key: str | None = None) -
     handle.state_file.write_text(json.dumps({"pid": handle.pid, "pgid": handle.pgid, "base_url": handle.base_url,
                                              "log_path": str(log_path), "command": command}))
     return handle
+
+
+def prestart_server(cfg: ServerConfig, run_dir: Path, api_key: str | None = None) -> Prestarted:
+    """Launch vLLM's API server held at a gate; `open_gate` starts it, `cancel_prestart` ends it."""
+    if cfg.headless:
+        raise ValueError("a secondary node's headless launch is not prestarted")
+    port, command = _checked_launch(cfg, run_dir)
+    gate, log_path = run_dir / "vllm.gate", run_dir / "vllm.next.log"
+    gate.unlink(missing_ok=True)
+    proc = _launch([command[0], "-m", "tasks.vllm.gate", str(gate), *command[1:]], cfg, log_path, api_key)
+    return Prestarted(cfg=cfg, run_dir=run_dir, port=port, command=command, process=proc, gate=gate,
+                      log_path=log_path, api_key=api_key)
+
+
+def open_gate(pre: Prestarted) -> ServerHandle:
+    """Start the prestarted vLLM, now that its port is free: its log becomes the run's vllm.log and
+    its group the one server.json records (so a later run can stop it), then the gate opens."""
+    if (code := pre.process.poll()) is not None:
+        raise ServerStartError(f"the prestarted vLLM exited with code {code} before its start", "engine-failed",
+                               pre.log_path.read_text(errors="replace")[-2000:] if pre.log_path.exists() else "")
+    if pre.port is not None:
+        try:
+            ensure_port_free(pre.cfg.host, pre.port)
+        except ServerStartError:
+            cancel_prestart(pre)
+            raise
+    log_path = pre.run_dir / "vllm.log"
+    os.replace(pre.log_path, log_path)  # the process writes on through its open file
+    handle = _serving(pre.cfg, pre.run_dir, port=pre.port, command=pre.command, proc=pre.process,
+                      log_path=log_path, api_key=pre.api_key)
+    pre.gate.write_text("open")
+    return handle
+
+
+IMPORTED = b"tasks.vllm.gate: "  # the gate's own line, once its imports are done (or it gave up)
+
+
+def wait_imported(pre: Prestarted, timeout_s: float) -> float:
+    """Seconds until the prestarted vLLM's imports are done; one that exits first is a failed start
+    (the old server still serves). Past `timeout_s` the swap goes on: the gate opens when it can."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        if (code := pre.process.poll()) is not None:
+            tail = pre.log_path.read_text(errors="replace")[-2000:] if pre.log_path.exists() else ""
+            raise ServerStartError(f"vLLM exited with code {code} while it was imported ahead of the swap: "
+                                   f"{tail.strip().splitlines()[-1] if tail.strip() else 'no output'}",
+                                   "engine-failed", tail)
+        if pre.log_path.exists() and IMPORTED in pre.log_path.read_bytes():
+            break
+        time.sleep(0.1)
+    return time.monotonic() - started
+
+
+def cancel_prestart(pre: Prestarted) -> None:
+    """End a prestarted vLLM that will not be started (the swap failed before its start); one whose
+    gate opened is the run's server, and is left alone."""
+    if pre.gate.exists() and pre.gate.read_text().strip() == "open":
+        return
+    pre.gate.write_text("cancel")
+    stop_group(pre.process.pid, grace_s=5.0)
+    pre.process.wait(timeout=10)
+    pre.gate.unlink(missing_ok=True)
+    pre.log_path.unlink(missing_ok=True)
 
 
 def stop_group(pgid: int, grace_s: float = 20.0) -> None:

@@ -12,7 +12,15 @@ from pydantic import BaseModel
 
 from tasks.errors import ServerStartError
 from tasks.vllm.log import PROGRESS, classify_failure, log_tail, next_step, server_facts
-from tasks.vllm.process import ServerHandle, reap_stale, start_server, stop_server
+from tasks.vllm.process import (
+    Prestarted,
+    ServerHandle,
+    cancel_prestart,
+    open_gate,
+    reap_stale,
+    start_server,
+    stop_server,
+)
 from tasks.vllm.settings import ServerConfig
 
 
@@ -106,17 +114,23 @@ def check_group(handle: ServerHandle, cfg: ServerConfig) -> None:
 
 
 def start_and_wait(cfg: ServerConfig, run_dir: Path, timeout_s: float, *, api_key: str | None = None,
-                   report: Callable[[str], None] = lambda line: None) -> ServerHandle:
+                   report: Callable[[str], None] = lambda line: None,
+                   prestarted: Prestarted | None = None, poll_s: float = 2.0) -> ServerHandle:
     """Start vLLM and block until it serves (a real token included), or for a secondary node until
     its ranks are launched; a leader must also report every rank. On any failure the group is
-    stopped before the error goes on, its log tail in the ServerStartError."""
+    stopped before the error goes on, its log tail in the ServerStartError. A server `prestarted`
+    for this very launch (its imports done while the old one served) is started through its gate;
+    its start-up time counts from there."""
     reap_stale(run_dir / "server.json")
-    handle = start_server(cfg, run_dir, api_key)
+    if prestarted is not None and (prestarted.cfg, prestarted.run_dir, prestarted.api_key) != (cfg, run_dir, api_key):
+        cancel_prestart(prestarted)  # prestarted for another launch: start this one as it is
+        prestarted = None
+    handle = open_gate(prestarted) if prestarted is not None else start_server(cfg, run_dir, api_key)
     try:
         if cfg.headless:
             handle.startup_s = wait_headless(handle, timeout_s)
         else:
-            handle.startup_s = wait_ready(handle, cfg.served_model_name, timeout_s, report=report)
+            handle.startup_s = wait_ready(handle, cfg.served_model_name, timeout_s, report=report, poll_s=poll_s)
             check_group(handle, cfg)
     except BaseException:
         stop_server(handle)

@@ -1,0 +1,92 @@
+"""The prestart's gate (tasks/vllm/gate.py) with a stand-in for vLLM's API server module: it is imported
+ahead, runs only once the gate opens, with its arguments, and never runs when the gate is cancelled
+or the process that launched it dies. The deploy's swap through it, with the real vLLM, is in
+tests/test_answers_rollout.py (the gap a client sees) and tests/test_operator.py (faults mid-swap)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+SERVER = textwrap.dedent('''
+    import sys, time
+    from pathlib import Path
+    Path("{marks}/imported").write_text(str(time.monotonic()))
+    if __name__ == "__main__":
+        Path("{marks}/ran").write_text(" ".join(sys.argv[1:]))
+''')
+
+
+@pytest.fixture()
+def stand_in(tmp_path, monkeypatch):
+    """A module `stand_in_server` that marks when it is imported and when it runs as __main__."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    (tmp_path / "stand_in_server.py").write_text(SERVER.format(marks=marks))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    return marks
+
+
+def launch(gate: Path, *args: str, **popen) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tasks.vllm.gate", str(gate), "-m", "stand_in_server", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+
+
+def wait_for(path: Path, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def test_imported_ahead_and_run_with_its_arguments_once_the_gate_opens(tmp_path, stand_in):
+    gate = tmp_path / "gate"
+    proc = launch(gate, "--port", "8123")
+    wait_for(stand_in / "imported")
+    time.sleep(0.5)
+    assert proc.poll() is None and not (stand_in / "ran").exists()  # held at the gate
+    gate.write_text("open")
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    assert (stand_in / "ran").read_text() == "--port 8123"
+    assert "stand_in_server imported; waiting at" in out
+
+
+def test_a_cancelled_gate_never_runs_the_server(tmp_path, stand_in):
+    gate = tmp_path / "gate"
+    proc = launch(gate)
+    wait_for(stand_in / "imported")
+    gate.write_text("cancel")
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 1 and "says 'cancel'; not starting" in out
+    assert not (stand_in / "ran").exists()
+
+
+def test_the_launchers_death_ends_it_before_the_server_runs(tmp_path, stand_in):
+    """A deploy killed (kill -9) while its old server still answered: the held vLLM must not start
+    behind its back once its gate is written by nobody, nor wait forever holding its memory."""
+    gate, pid_file = tmp_path / "gate", tmp_path / "gate.pid"
+    launcher = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f'''
+        import subprocess, sys, time
+        p = subprocess.Popen([sys.executable, "-m", "tasks.vllm.gate", {str(gate)!r}, "-m", "stand_in_server"])
+        open({str(pid_file)!r}, "w").write(str(p.pid))
+        time.sleep(600)
+    ''')])
+    wait_for(stand_in / "imported")
+    held = int(pid_file.read_text())
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{held}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{held}").exists() or "Z" in Path(f"/proc/{held}/stat").read_text().rsplit(")", 1)[1][:3]
+    gate.write_text("open")  # too late: nothing is left to start
+    time.sleep(0.3)
+    assert not (stand_in / "ran").exists()
