@@ -151,7 +151,8 @@ def test_damaged_revisions_are_caught_by_the_check_named_and_the_good_one_serves
     shutil.copytree(hub_root / BF16_REPO, repo)
     local_hub.refresh()
     # One address for the host, as its clients know it: every server of the test listens there.
-    config = demo_config(local_hub.endpoint, tmp_path / "models", repo_id=repo_id, port=_free_port(), **QUICK)
+    config = demo_config(local_hub.endpoint, tmp_path / "models", repo_id=repo_id, port=_free_port(), prestart=True,
+                         **QUICK)
     state = config.run_dir / "server.json"
 
     def plant(damage) -> None:
