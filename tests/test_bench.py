@@ -140,7 +140,9 @@ def test_chat_ttft_is_vllms_first_chunk_and_ttfc_waits_for_content(concurrency, 
                         tokenizer=hub_root / "demo" / "tiny-moe")
     assert row.failed == 0 and row.total_output_tokens == max(8, 2 * concurrency) * 20
     assert row.ttft.median < 20 and abs(row.ttfc.median / 1000 - ttft) <= 0.01
-    assert row.itl.max >= ttft * 1000 and abs(row.token_itl.max / 1000 - itl) <= 0.01
+    # The wait for content is in one vLLM ITL per request and in no token ITL (a max under load on
+    # two cores can stray by a scheduling slice, so the bound is half the wait, not the 20 ms).
+    assert row.itl.max >= ttft * 1000 and row.token_itl.max < ttft * 1000 / 2
     assert abs(row.token_itl.median / 1000 - itl) <= 0.002
 
 

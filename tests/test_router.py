@@ -6,12 +6,15 @@ the clients do; a host that serves nothing is kept out, in maintenance."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 
+import httpx
 import numpy as np
 import pytest
 
-from tasks.fleet.canary import TTFT, Histogram, HostWindow, judge_canary, parse_histograms
+from tasks.fleet.canary import MIN_REQUESTS, TTFT, Histogram, HostWindow, judge_canary, observe_canary, parse_histograms
+from tasks.fleet.hosts import FleetHost
 from tasks.fleet.router import HAProxy, ServerStats, Traffic, rotation
 from testkit.openai_server import StreamingServer
 from testkit.prefect_processes import free_port
@@ -129,3 +132,39 @@ def test_the_canary_rule_fails_a_slower_canary_and_not_one_like_the_rest():
                                                          "beyond chance)")
     few = judge_canary(_window("a", draw(3.0, n=5)), [_window("b", draw(1.0))], max_slowdown=0.2)
     assert few.passed and few.findings[0].startswith("TTFT not judged: 5 requests at the canary")
+
+
+def test_a_canary_window_with_too_few_requests_is_held_open_until_it_can_judge(tmp_path):
+    # A window that ends with a handful of requests at the canary judges nothing; it is held open,
+    # up to three times its length, until the canary has answered enough to judge.
+    ports = {"host-a": free_port(), "host-b": free_port()}
+    front = free_port()
+    with contextlib.ExitStack() as hosts:
+        for port in ports.values():
+            hosts.enter_context(StreamingServer(ttft_s=0.005, itl_s=0.001, port=port))
+        router = hosts.enter_context(haproxy([(n, "127.0.0.1", p) for n, p in ports.items()], work_dir=tmp_path,
+                                             port=front))
+        at = HAProxy(router)
+        assert all(at.admit(name).in_rotation for name in ports)
+        window = router.model_copy(update={"canary_window_s": 2.0, "canary_share_percent": 100})
+        canary, rest = (FleetHost(name=n, port=p, address="127.0.0.1") for n, p in ports.items())
+        judged: list = []
+        observer = threading.Thread(target=lambda: judged.append(observe_canary(window, canary, [rest], poll_s=0.2)))
+        began = time.monotonic()
+        observer.start()
+
+        def ask() -> None:
+            reply = httpx.post(f"http://127.0.0.1:{front}/v1/completions", timeout=10,
+                               json={"model": "fake", "prompt": "1 2", "max_tokens": 2})
+            assert reply.status_code == 200
+
+        for _ in range(10):  # quiet traffic during the window: about 5 requests at the canary
+            ask()
+        while observer.is_alive() and time.monotonic() - began < 2.5:
+            time.sleep(0.05)
+        while observer.is_alive():  # then traffic again, for as long as the canary is observed
+            ask()
+        observer.join()
+    verdict, = judged
+    assert verdict.requests >= MIN_REQUESTS, verdict.summary()
+    assert 2.0 < verdict.extended_to_s < 3 * 2.0 and "window held open to" in verdict.summary()

@@ -9,11 +9,14 @@ The rule is the regression gate's: the canary fails where a figure is worse by m
 threshold (the practical bar) and outside the noise (the two 95% intervals of the mean do not
 overlap; a histogram's variance is read from its bucket midpoints, so the interval is approximate),
 or where its error rate is above the rest's beyond chance (a one-sided two-proportion z-test at 5%).
-Too few requests at the canary to judge is said, not failed.
+A window that ends with too few requests at the canary to judge is held open longer, up to
+`EXTENDED_UP_TO` times its length: a verdict needs requests, and quiet traffic or a slow canary
+(the one case it is there to catch) gives it fewer. Still too few then is said, not failed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -28,6 +31,7 @@ TTFT = "vllm:time_to_first_token_seconds"
 TPOT = "vllm:request_time_per_output_token_seconds"
 FIGURES = ((TTFT, "TTFT"), (TPOT, "TPOT"))
 MIN_REQUESTS = 20  # at the canary, for a latency to be judged
+EXTENDED_UP_TO = 3  # times the router's canary window, while the canary has fewer than MIN_REQUESTS
 Z_95 = 1.96
 Z_95_ONE_SIDED = 1.645
 
@@ -107,9 +111,12 @@ class CanaryJudgement:
     passed: bool
     findings: tuple[str, ...]  # each figure in words: the canary's beside the rest's, and the verdict
     requests: int  # at the canary, in the window
+    extended_to_s: float | None = None  # the window's length where it was held open for requests
 
     def summary(self) -> str:
-        return "; ".join(self.findings)
+        held = (f" (window held open to {self.extended_to_s:.0f} s for requests at the canary)"
+                if self.extended_to_s else "")
+        return "; ".join(self.findings) + held
 
 
 @dataclass(frozen=True)
@@ -173,9 +180,16 @@ def base_url(host: FleetHost) -> str:
     return f"http://{host.address or host.name}:{host.port}"
 
 
-def observe_canary(router: RouterConfig, canary: FleetHost, rest: list[FleetHost]) -> CanaryJudgement:
-    """Give the canary its share of live traffic for the window, then judge it against the hosts
-    the router sends to; its usual weight back whatever happens."""
+def _answered(start: ServerStats, end: ServerStats) -> int:
+    """The requests a server took between two readings and is no longer busy with."""
+    return end.requests - start.requests - end.current
+
+
+def observe_canary(router: RouterConfig, canary: FleetHost, rest: list[FleetHost], *,
+                   poll_s: float = 1.0) -> CanaryJudgement:
+    """Give the canary its share of live traffic for the window (longer while it has too few
+    requests to judge), then judge it against the hosts the router sends to; its usual weight back
+    whatever happens."""
     at = HAProxy(router)
     start = at.stats()
     others = [h for h in rest if h.name in start and start[h.name].in_rotation]
@@ -185,12 +199,20 @@ def observe_canary(router: RouterConfig, canary: FleetHost, rest: list[FleetHost
     try:
         hosts = [canary, *others]
         latency_start = {h.name: read_latency(base_url(h)) for h in hosts}
-        start = at.stats()
+        start = at.stats()  # from the canary's new weight on
+        opened = time.monotonic()
         time.sleep(router.canary_window_s)
         end = at.stats()
+        while (_answered(start[canary.name], end[canary.name]) < MIN_REQUESTS
+               and time.monotonic() - opened < EXTENDED_UP_TO * router.canary_window_s):
+            time.sleep(poll_s)
+            end = at.stats()
+        held_s = time.monotonic() - opened
         latency_end = {h.name: read_latency(base_url(h)) for h in hosts}
     finally:
         at.set_weight(canary.name, 100)
     windows = [HostWindow(h.name, latency_start=latency_start[h.name], latency_end=latency_end[h.name],
                           router_start=start[h.name], router_end=end[h.name]) for h in hosts]
-    return judge_canary(windows[0], windows[1:], max_slowdown=router.canary_max_slowdown)
+    judged = judge_canary(windows[0], windows[1:], max_slowdown=router.canary_max_slowdown)
+    extended = held_s > router.canary_window_s + poll_s
+    return dataclasses.replace(judged, extended_to_s=held_s) if extended else judged
