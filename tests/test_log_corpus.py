@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.vllm.log import classify_failure, failure_cause, next_step, server_facts
+from tasks.vllm.log import classify_failure, failure_cause, next_step, server_facts, start_failure
 from tasks.vllm.readiness import ServerFacts, slow_start
 
 CORPUS = Path(__file__).parent / "fixtures" / "vllm_logs"
@@ -165,14 +165,10 @@ def test_next_step_for_the_other_causes():
 
 def test_a_failed_start_carries_its_next_step_into_the_error_and_the_artifact(tmp_path, monkeypatch):
     from tasks.orchestration import artifacts
-    from tasks.vllm.process import ServerHandle
-    from tasks.vllm.readiness import _failed
 
     log = tmp_path / "vllm.log"
     log.write_text(fixture("kv-cache-too-small-34076.log") + "\n" + fixture("engine-failed-27508.log") + "\n")
-    handle = ServerHandle(pid=1, pgid=1, base_url="http://127.0.0.1:1", log_path=log, state_file=tmp_path / "s.json",
-                          command=["vllm", "serve"])
-    err = _failed(handle, "exited with code 1 during start-up")
+    err = start_failure(log, "exited with code 1 during start-up")
     assert err.cause == "kv-cache-too-small" and "\n" not in str(err)
     assert "--max-model-len to 34736" in err.next_step
     shown = {}

@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from tasks.errors import ServerStartError
+from tasks.vllm.process import Prestarted, cancel_prestart, wait_imported
+
 SERVER = textwrap.dedent('''
     import sys, time
     from pathlib import Path
@@ -90,3 +93,34 @@ def test_the_launchers_death_ends_it_before_the_server_runs(tmp_path, stand_in):
     gate.write_text("open")  # too late: nothing is left to start
     time.sleep(0.3)
     assert not (stand_in / "ran").exists()
+
+
+def _prestarted(tmp_path: Path, proc: subprocess.Popen, log_path: Path) -> Prestarted:
+    return Prestarted(cfg=None, run_dir=tmp_path, port=None, command=[], process=proc, gate=tmp_path / "gate",
+                      log_path=log_path)
+
+
+def test_the_deploy_waits_for_the_imports_and_a_failed_import_is_a_classified_failed_start(tmp_path, stand_in):
+    # Imported: the gate's line is found however the log's writes fall.
+    log_path = tmp_path / "vllm.next.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "tasks.vllm.gate", str(tmp_path / "gate"), "-m",
+                                 "stand_in_server"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    pre = _prestarted(tmp_path, proc, log_path)
+    waited = wait_imported(pre, timeout_s=60, poll_s=0.01)
+    assert waited < 60 and (stand_in / "imported").exists() and proc.poll() is None
+    cancel_prestart(pre)
+    assert proc.poll() is not None and not (stand_in / "ran").exists()
+
+    # A vLLM that cannot be imported (a build for another GPU): the swap stops with the old server
+    # still serving, and the error is read from the log like any failed start's.
+    (stand_in.parent / "broken_server.py").write_text(
+        'raise RuntimeError("CUDA error: no kernel image is available for execution on the device")\n')
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "tasks.vllm.gate", str(tmp_path / "gate"), "-m",
+                                 "broken_server"], stdout=log, stderr=subprocess.STDOUT)
+    with pytest.raises(ServerStartError) as failed:
+        wait_imported(_prestarted(tmp_path, proc, log_path), timeout_s=60)
+    assert failed.value.cause == "cuda-kernel-error" and "no kernel image" in str(failed.value)
+    assert str(failed.value).startswith("vLLM exited with code 1 while it was imported ahead of the swap")
+    assert failed.value.log_tail.strip().endswith("no kernel image is available for execution on the device")

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from tasks.errors import ServerStartError
+
 LOG_TAIL_LINES = 60
 NO_ERROR_LINE = "no error line in the log"
 
@@ -246,6 +248,16 @@ def next_step(cause: str, log: str = "") -> str:
     if step is None:
         return "vLLM exited: read its last error line and the log tail"
     return step(log) if callable(step) else step
+
+
+def start_failure(log_path: Path, what: str, cause: str | None = None) -> ServerStartError:
+    """A failed start, read from its log: the error names the cause and the line that shows it in one
+    line (logs and the CLI show first lines); what to try next rides along for the failure artifact."""
+    full = log_path.read_text(errors="replace") if log_path.exists() else ""
+    found, line = classify_failure(full)
+    cause = cause or found
+    return ServerStartError(f"vLLM {what} ({cause}): {line[:300]}", cause, log_tail(log_path),
+                            next_step=next_step(cause, full))
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:

@@ -19,6 +19,7 @@ from pathlib import Path
 from tasks.cpus import parse_cpus
 from tasks.errors import ServerStartError
 from tasks.vllm.command import build_command, check_arguments
+from tasks.vllm.log import start_failure
 from tasks.vllm.settings import ServerConfig
 
 
@@ -165,8 +166,7 @@ def open_gate(pre: Prestarted) -> ServerHandle:
     """Start the prestarted vLLM, now that its port is free: its log becomes the run's vllm.log and
     its group the one server.json records (so a later run can stop it), then the gate opens."""
     if (code := pre.process.poll()) is not None:
-        raise ServerStartError(f"the prestarted vLLM exited with code {code} before its start", "engine-failed",
-                               pre.log_path.read_text(errors="replace")[-2000:] if pre.log_path.exists() else "")
+        raise start_failure(pre.log_path, f"exited with code {code} while held at its gate")
     if pre.port is not None:
         try:
             ensure_port_free(pre.cfg.host, pre.port)
@@ -184,20 +184,30 @@ def open_gate(pre: Prestarted) -> ServerHandle:
 IMPORTED = b"tasks.vllm.gate: "  # the gate's own line, once its imports are done (or it gave up)
 
 
-def wait_imported(pre: Prestarted, timeout_s: float) -> float:
+def wait_imported(pre: Prestarted, timeout_s: float, *, poll_s: float = 0.1) -> float:
     """Seconds until the prestarted vLLM's imports are done; one that exits first is a failed start
     (the old server still serves). Past `timeout_s` the swap goes on: the gate opens when it can."""
     started = time.monotonic()
+    offset, seen = 0, b""
     while time.monotonic() - started < timeout_s:
         if (code := pre.process.poll()) is not None:
-            tail = pre.log_path.read_text(errors="replace")[-2000:] if pre.log_path.exists() else ""
-            raise ServerStartError(f"vLLM exited with code {code} while it was imported ahead of the swap: "
-                                   f"{tail.strip().splitlines()[-1] if tail.strip() else 'no output'}",
-                                   "engine-failed", tail)
-        if pre.log_path.exists() and IMPORTED in pre.log_path.read_bytes():
+            raise start_failure(pre.log_path, f"exited with code {code} while it was imported ahead of the swap")
+        offset, chunk = _read_from(pre.log_path, offset)
+        seen = seen[-len(IMPORTED):] + chunk  # the line may straddle two reads
+        if IMPORTED in seen:
             break
-        time.sleep(0.1)
+        time.sleep(poll_s)
     return time.monotonic() - started
+
+
+def _read_from(path: Path, offset: int) -> tuple[int, bytes]:
+    try:
+        with path.open("rb") as fh:
+            fh.seek(offset)
+            chunk = fh.read()
+    except FileNotFoundError:
+        return offset, b""
+    return offset + len(chunk), chunk
 
 
 def cancel_prestart(pre: Prestarted) -> None:

@@ -10,8 +10,7 @@ from pathlib import Path
 import httpx
 from pydantic import BaseModel
 
-from tasks.errors import ServerStartError
-from tasks.vllm.log import PROGRESS, classify_failure, log_tail, next_step, server_facts
+from tasks.vllm.log import PROGRESS, server_facts, start_failure
 from tasks.vllm.process import (
     Prestarted,
     ServerHandle,
@@ -22,16 +21,6 @@ from tasks.vllm.process import (
     stop_server,
 )
 from tasks.vllm.settings import ServerConfig
-
-
-def _failed(handle: ServerHandle, what: str, cause: str | None = None) -> ServerStartError:
-    """The error names the cause and the line that shows it in one line (logs and the CLI show first lines);
-    what to try next rides along for the failure artifact."""
-    full = handle.log_path.read_text(errors="replace") if handle.log_path.exists() else ""
-    found, line = classify_failure(full)
-    cause = cause or found
-    return ServerStartError(f"vLLM {what} ({cause}): {line[:300]}", cause, log_tail(handle.log_path),
-                            next_step=next_step(cause, full))
 
 
 def _follow(path: Path, offset: int, report: Callable[[str], None]) -> int:
@@ -60,7 +49,7 @@ def wait_ready(handle: ServerHandle, model_name: str, timeout_s: float, *, poll_
         while time.monotonic() < deadline:
             offset = _follow(handle.log_path, offset, report)
             if handle.process is not None and (code := handle.process.poll()) is not None:
-                raise _failed(handle, f"exited with code {code} during start-up")
+                raise start_failure(handle.log_path, f"exited with code {code} during start-up")
             try:
                 if http.get("/health").status_code == 200:
                     models = http.get("/v1/models").json()
@@ -72,7 +61,7 @@ def wait_ready(handle: ServerHandle, model_name: str, timeout_s: float, *, poll_
             except httpx.HTTPError:
                 pass
             time.sleep(poll_s)
-    raise _failed(handle, f"not ready after {timeout_s:.0f} s", cause="startup-timeout")
+    raise start_failure(handle.log_path, f"not ready after {timeout_s:.0f} s", cause="startup-timeout")
 
 
 # What a secondary node logs once its engine ranks are launched and reaching for the leader.
@@ -88,11 +77,11 @@ def wait_headless(handle: ServerHandle, timeout_s: float, poll_s: float = 1.0) -
     started = time.monotonic()
     while time.monotonic() - started < timeout_s:
         if handle.process is not None and (code := handle.process.poll()) is not None:
-            raise _failed(handle, f"exited with code {code} during start-up")
+            raise start_failure(handle.log_path, f"exited with code {code} during start-up")
         if handle.log_path.exists() and HEADLESS_LAUNCHED.search(handle.log_path.read_text(errors="replace")):
             return time.monotonic() - started
         time.sleep(poll_s)
-    raise _failed(handle, f"did not launch its ranks within {timeout_s:.0f} s", cause="startup-timeout")
+    raise start_failure(handle.log_path, f"did not launch its ranks within {timeout_s:.0f} s", cause="startup-timeout")
 
 
 def check_group(handle: ServerHandle, cfg: ServerConfig) -> None:
@@ -102,15 +91,17 @@ def check_group(handle: ServerHandle, cfg: ServerConfig) -> None:
     if cfg.nnodes > 1:
         sizes = WORLD_SIZE.findall(handle.log_path.read_text(errors="replace"))
         if not sizes or int(sizes[0]) != cfg.world_size:
-            raise _failed(handle, f"leader reports a world of {sizes[0] if sizes else 'no'} ranks, not the "
-                                  f"{cfg.world_size} of TP x PP over {cfg.nnodes} nodes", cause="group-incomplete")
+            raise start_failure(handle.log_path, f"leader reports a world of {sizes[0] if sizes else 'no'} ranks, "
+                                f"not the {cfg.world_size} of TP x PP over {cfg.nnodes} nodes",
+                                cause="group-incomplete")
     if cfg.data_parallel_size_local and cfg.data_parallel_size > cfg.data_parallel_size_local:
         auth = {"Authorization": f"Bearer {handle.api_key}"} if handle.api_key else {}
         metrics = httpx.get(f"{handle.base_url}/metrics", headers=auth, timeout=10).text
         engines = set(re.findall(r'engine="(\d+)"', metrics))
         if len(engines) != cfg.data_parallel_size:
-            raise _failed(handle, f"leader reports {len(engines)} of {cfg.data_parallel_size} data-parallel ranks",
-                          cause="group-incomplete")
+            raise start_failure(handle.log_path,
+                                f"leader reports {len(engines)} of {cfg.data_parallel_size} data-parallel ranks",
+                                cause="group-incomplete")
 
 
 def start_and_wait(cfg: ServerConfig, run_dir: Path, timeout_s: float, *, api_key: str | None = None,
