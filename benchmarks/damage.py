@@ -89,22 +89,19 @@ def swap_attention(model) -> None:
 def served_score(model, tokenizer, probes: list[dict], reference_text: str) -> dict[str, float]:
     """The copy saved and served by vLLM as a deploy launches it on this host, asked by the answer
     check's own code (completions, greedy) for its accuracy per task and the reference's perplexity."""
+    from flows.demo import demo_config
     from tasks.answers.check import Probe, ask, perplexity
-    from tasks.cpus import server_and_client_cpus
-    from tasks.deployment.stages import CPU_MLA_ROPE_ARGS
+    from tasks.deployment.stages import server_config
     from tasks.vllm.process import stop_server
     from tasks.vllm.readiness import start_and_wait
-    from tasks.vllm.settings import ServerConfig
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "model"
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
-        server_cpus, _ = server_and_client_cpus()
-        cfg = ServerConfig(model_path=folder, served_model_name="damaged", port=0, max_model_len=1024,
-                           enforce_eager=True, enable_expert_parallel=True, kv_cache_memory_bytes=80 * 2**20,
-                           cpus=server_cpus, extra_args=CPU_MLA_ROPE_ARGS,
-                           env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": server_cpus})
+        # The demo's own launch of this model (its engine settings, the CPU's MLA fix, the compile cache).
+        form = demo_config("http://127.0.0.1:1", Path(tmp) / "models", served_model_name="damaged")
+        cfg = server_config(form, folder, "cpu")
         handle = start_and_wait(cfg, Path(tmp) / "run", timeout_s=600)
         try:
             results = ask(handle.base_url, "damaged", [Probe(**p) for p in probes], max_tokens=6)

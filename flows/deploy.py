@@ -142,7 +142,7 @@ def _deploy(config: DeployConfig) -> tuple[DeployResult | None, DeployReport]:
                 prewarm = prewarm_model(prepared.model_dir, keep_warm=previous.model_dir,
                                         margin_gb=config.prewarm_margin_gb).text()
             report = replace(report, commit=prepared.commit, last_good=last_run, prewarm=prewarm)
-            served, restored = _swap(config, previous, prepared, server_config(config, prepared, gpu.platform),
+            served, restored = _swap(config, previous, prepared, server_config(config, prepared.model_dir, gpu.platform),
                                      gpu=gpu, last_run=last_run, same_weights=same_weights)
             report = replace(report, previous_stopped=previous is not None, served=served, restored=restored,
                              error=served.error)

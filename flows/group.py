@@ -33,7 +33,7 @@ def join_group(config: DeployConfig, leave: bool = False) -> str:
         if leave:
             logger.info("left the group: nothing of it runs on this host")
             return "left"
-        server = server_config(config, prepared, gpu.platform).model_copy(update={"headless": True})
+        server = server_config(config, prepared.model_dir, gpu.platform).model_copy(update={"headless": True})
         handle, _ = start_vllm(server, config.run_dir, config.startup_timeout_s, api_key_secret=None,
                                repo_id=config.repo_id)
         logger.info("ranks launched in %.0f s; the leader at %s waits for them", handle.startup_s,

@@ -77,7 +77,7 @@ def tune_model(config: TuneConfig) -> list[CandidateResult]:
             try:
                 for candidate in candidates(deploy.vllm, config.space):
                     form = deploy.model_copy(update={"vllm": candidate.settings})
-                    server = server_config(form, prepared, gpu.platform)
+                    server = server_config(form, prepared.model_dir, gpu.platform)
                     refused = check_candidate(candidate, gpu, hardware_plan(form, prepared), server=server,
                                               cache_dir=deploy.run_dir)
                     if refused is not None:

@@ -76,8 +76,11 @@ def test_cancel_mid_sweep_stops_the_new_server_and_the_last_good_serves_again(lo
         # The new server stopped and the last good one started again on its port: by the run itself
         # on SIGTERM, or, where the runner killed it first, by its swap's guard.
         _wait(lambda: _answer(port) == " 44 45 46", 300, "the last good deployment to answer again")
-        back = read_last_good(tmp_path / "models" / ".rollout")
-        assert back.serving_pgid == serving_group(state) not in (None, good)
+        # Its restorer records it in last-good.json once its start is checked, a moment after it
+        # first answers (a loaded machine has made that moment seconds).
+        _wait(lambda: read_last_good(tmp_path / "models" / ".rollout").serving_pgid == serving_group(state), 60,
+              "last-good.json to name the restored server")
+        assert serving_group(state) not in (None, good)
         assert len({group for group in map(_pgid, vllm_processes())}) == 1  # one server, no orphan
         # The cancelled run gave the host back, at the latest when its lease lapsed (the runner
         # kills a flow process that does not exit in its grace period): the next deploy may start.

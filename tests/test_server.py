@@ -259,12 +259,11 @@ def test_startup_facts_and_phases_are_read_from_the_log():
 ])
 def test_mla_on_a_cpu_host_takes_the_rotary_embedding_in_pytorch(tmp_path, platform, config, extra_args, fixed):
     from tasks.deployment.config import DeployConfig
-    from tasks.deployment.stages import CPU_MLA_ROPE_ARGS, PreparedModel, server_config
+    from tasks.deployment.stages import CPU_MLA_ROPE_ARGS, server_config
 
     (tmp_path / "config.json").write_text(json.dumps(config))
-    prepared = PreparedModel.model_construct(repo_id="m/m", commit="0" * 40, model_dir=tmp_path, total_bytes=1)
     form = DeployConfig(repo_id="m/m", models_root=tmp_path, vllm=VllmSettings(extra_args=extra_args))
-    server = server_config(form, prepared, platform)
+    server = server_config(form, tmp_path, platform)
     assert server.extra_args == extra_args + (CPU_MLA_ROPE_ARGS if fixed else [])
     assert ("--compilation-config" in build_command(server, 8000)) == fixed
 
@@ -274,12 +273,11 @@ def test_the_compile_cache_is_kept_on_the_models_disk(tmp_path, platform):
     """On vLLM's CPU build the cache a warm start reads is Inductor's own (vLLM's AOT artifact cannot
     be loaded back there): both on the models disk, the AOT path off. A user's own setting is kept."""
     from tasks.deployment.config import DeployConfig
-    from tasks.deployment.stages import PreparedModel, server_config
+    from tasks.deployment.stages import server_config
 
     (tmp_path / "config.json").write_text("{}")
-    prepared = PreparedModel.model_construct(repo_id="m/m", commit="0" * 40, model_dir=tmp_path, total_bytes=1)
     form = DeployConfig(repo_id="m/m", models_root=tmp_path)
-    env = server_config(form, prepared, platform).env
+    env = server_config(form, tmp_path, platform).env
     cache = form.run_dir / "vllm-cache"
     assert env["VLLM_CACHE_ROOT"] == str(cache)
     if platform == "cpu":
@@ -288,4 +286,4 @@ def test_the_compile_cache_is_kept_on_the_models_disk(tmp_path, platform):
     else:  # vLLM's piecewise backend keeps Inductor's and Triton's caches under VLLM_CACHE_ROOT itself
         assert "TORCHINDUCTOR_CACHE_DIR" not in env and "VLLM_USE_AOT_COMPILE" not in env
     own = DeployConfig(repo_id="m/m", models_root=tmp_path, vllm=VllmSettings(env={"VLLM_USE_AOT_COMPILE": "1"}))
-    assert server_config(own, prepared, platform).env["VLLM_USE_AOT_COMPILE"] == "1"
+    assert server_config(own, tmp_path, platform).env["VLLM_USE_AOT_COMPILE"] == "1"

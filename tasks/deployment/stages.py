@@ -51,8 +51,8 @@ def hardware_plan(config: DeployConfig, prepared: PreparedModel) -> HardwarePlan
     )
 
 
-def server_config(config: DeployConfig, prepared: PreparedModel, platform: str) -> ServerConfig:
-    """One launch of the prepared model with the form's engine settings."""
+def server_config(config: DeployConfig, model_dir: Path, platform: str) -> ServerConfig:
+    """One launch of the model in `model_dir` (a prepared snapshot) with the form's engine settings."""
     env = {"VLLM_ENGINE_READY_TIMEOUT_S": str(int(config.startup_timeout_s)),
            **compile_cache_env(config.run_dir / "vllm-cache", platform)}
     if platform == "cpu":
@@ -61,11 +61,11 @@ def server_config(config: DeployConfig, prepared: PreparedModel, platform: str) 
         if config.vllm.cpus:  # vLLM's CPU backend binds its compute threads itself: to the same CPUs
             env["VLLM_CPU_OMP_THREADS_BIND"] = config.vllm.cpus
     extra_args = config.vllm.extra_args
-    if platform == "cpu" and uses_mla(prepared.model_dir) and not any(
+    if platform == "cpu" and uses_mla(model_dir) and not any(
             a.split("=")[0].split(".")[0] in COMPILATION_FLAGS for a in extra_args):
         extra_args = [*extra_args, *CPU_MLA_ROPE_ARGS]
     return ServerConfig(**config.vllm.model_dump(exclude={"env", "extra_args"}), env={**env, **config.vllm.env},
-                        extra_args=extra_args, model_path=prepared.model_dir,
+                        extra_args=extra_args, model_path=model_dir,
                         served_model_name=config.served_model_name or config.repo_id, host=config.host,
                         port=config.port)
 
