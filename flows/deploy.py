@@ -124,13 +124,15 @@ def _deploy(config: DeployConfig) -> tuple[DeployResult | None, DeployReport]:
     """The pipeline's steps, and the run's one report built from what they returned, however far
     they got; the error that stopped them goes in the report, to be raised once it is published."""
     report = DeployReport(config.repo_id, config.revision, keep_serving=config.keep_serving)
-    previous = prepared = None
+    previous = None
     try:
         config = _with_tuned_settings(config)
         with host_lock(run_dir=config.run_dir):  # first: reaping a "stale" server is safe only when no deploy runs
             previous = _claim_host(config)  # keeps serving while the new model comes in
+            report = replace(report, serving_before=_what(previous))
             with warming_option_table(config.run_dir):  # a bad flag is then refused in ms, not after a load
                 prepared = prepare_steps(config)
+                report = replace(report, commit=prepared.commit)
                 gpu = probe_gpus()
                 for warning in check_gpus(gpu, hardware_plan(config, prepared), config.repo_id):
                     get_run_logger().warning("%s: %s", warning.rule, warning.message)
@@ -141,15 +143,14 @@ def _deploy(config: DeployConfig) -> tuple[DeployResult | None, DeployReport]:
             if config.prewarm and previous is not None:  # nothing serves otherwise: vLLM's own load is as fast
                 prewarm = prewarm_model(prepared.model_dir, keep_warm=previous.model_dir,
                                         margin_gb=config.prewarm_margin_gb).text()
-            report = replace(report, commit=prepared.commit, last_good=last_run, prewarm=prewarm)
-            served, restored = _swap(config, previous, prepared, server_config(config, prepared.model_dir, gpu.platform),
-                                     gpu=gpu, last_run=last_run, same_weights=same_weights)
+            report = replace(report, last_good=last_run, prewarm=prewarm)
+            server = server_config(config, prepared.model_dir, gpu.platform)
+            served, restored = _swap(config, previous, prepared, server, gpu=gpu, last_run=last_run,
+                                     same_weights=same_weights)
             report = replace(report, previous_stopped=previous is not None, served=served, restored=restored,
                              error=served.error)
     except BaseException as err:  # SIGTERM, Ctrl-C and a cancel too: the summary says how the run ended
-        return None, replace(report, serving_before=_what(previous), commit=prepared.commit if prepared else None,
-                             previous_stopped=_stopped(previous, config.run_dir), error=err)
-    report = replace(report, serving_before=_what(previous))
+        return None, replace(report, previous_stopped=_stopped(previous, config.run_dir), error=err)
     if report.error is not None:
         return None, report
     return DeployResult(prepared=prepared, platform=gpu.platform, results=served.results, sweep_end=served.stop,
@@ -168,7 +169,7 @@ def _stopped(previous: LastGood | None, run_dir: Path) -> bool:
 
 
 def _what(deployment: LastGood | None) -> str | None:
-    return f"{deployment.repo_id}@{deployment.commit[:12]}" if deployment else None
+    return deployment.what if deployment else None
 
 
 def _with_tuned_settings(config: DeployConfig) -> DeployConfig:
@@ -384,7 +385,7 @@ def restore_last_good(previous: LastGood, *, run_dir: Path, startup_timeout_s: f
     the one restore, after a failed deploy and for `rollout rollback`. Returns (what serves now, or
     why nothing does; whether the restore failed)."""
     logger = get_run_logger()
-    what = f"{previous.repo_id}@{previous.commit[:12]}"
+    what = previous.what
     logger.warning("%s; restarting the last good deployment, %s", why, what)
     try:
         _group(_recorded_group(previous), "join")

@@ -29,7 +29,7 @@ def join_group(config: DeployConfig, leave: bool = False) -> str:
                 prepared = prepare_steps(config, run_prefix="join ")
             gpu = probe_gpus()
         previous = serving_deployment(config.run_dir)
-        stop_serving(config.run_dir, f"{previous.repo_id}@{previous.commit[:12]}" if previous else "what runs")
+        stop_serving(config.run_dir, previous.what if previous else "what runs")
         if leave:
             logger.info("left the group: nothing of it runs on this host")
             return "left"

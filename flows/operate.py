@@ -40,7 +40,7 @@ class HostTarget(BaseModel):
 
 
 def _what(record: LastGood | None) -> str:
-    return f"{record.repo_id}@{record.commit[:12]}" if record else "an unrecorded server"
+    return record.what if record else "an unrecorded server"
 
 
 @flow(name="stop-model")

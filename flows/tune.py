@@ -98,7 +98,7 @@ def tune_model(config: TuneConfig) -> list[CandidateResult]:
                         probe.resume()
                         probe.wait_for_answer(previous.serving_pgid)  # the gap starts at its last answer
                         probe.pause()
-                        stop_serving(deploy.run_dir, f"{previous.repo_id}@{previous.commit[:12]}")
+                        stop_serving(deploy.run_dir, previous.what)
                         stopped = True
                     results.append(measure_candidate(
                         key, candidate, server, run_dir=deploy.run_dir, timeout_s=deploy.startup_timeout_s,

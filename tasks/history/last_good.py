@@ -26,6 +26,11 @@ class LastGood(BaseModel):
     # history), which a restore of a multi-node deployment joins again before it starts the leader.
     group: list[dict[str, Any]] = []
 
+    @property
+    def what(self) -> str:
+        """The deployment as logs, artifacts and errors name it: repo@commit (12 hex digits)."""
+        return f"{self.repo_id}@{self.commit[:12]}"
+
 
 def last_good_file(run_dir: Path) -> Path:
     return run_dir / "last-good.json"

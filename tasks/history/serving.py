@@ -60,14 +60,13 @@ class HostStatus:
                           "does not list a model"
             else:
                 verdict = f"serving {', '.join(self.answers)} at {state.get('base_url')}/v1"
-            what = (f"{good.repo_id}@{good.commit[:12]} (the last good deployment)" if self.is_last_good
+            what = (f"{good.what} (the last good deployment)" if self.is_last_good
                     else f"{model} (not the last good deployment: a deploy in progress or one that did not finish)")
             head = [verdict, f"  model:    {what}", f"  since:    {since:%Y-%m-%d %H:%M:%S} UTC",
                     f"  process:  group {state.get('pgid')}, " + ("alive" if self.alive_pgid else "dead"),
                     f"  log:      {state.get('log_path')}"]
         if good is not None:
-            head.append(f"  last good: {good.repo_id}@{good.commit[:12]} at port "
-                        f"{good.server.port if good.server else '-'}")
+            head.append(f"  last good: {good.what} at port {good.server.port if good.server else '-'}")
             if (record := good.record) is not None:
                 single = f"{record.single_stream_tok_s:,.1f}" if record.single_stream_tok_s else "-"
                 peak = f"{record.peak_tok_s:,.1f}" if record.peak_tok_s else "-"
@@ -77,8 +76,7 @@ class HostStatus:
                     head.append(f"  answers:  {record.answers.accuracy:.0%} of {len(record.answers.outputs)} probes "
                                 "right")
         if self.previous_good is not None:
-            head.append(f"  rollback to: {self.previous_good.repo_id}@{self.previous_good.commit[:12]} "
-                        "(`rollout rollback`)")
+            head.append(f"  rollback to: {self.previous_good.what} (`rollout rollback`)")
         if self.tuned is not None:
             head.append(f"  tuned:    {self.tuned.candidate} (promoted {self.tuned.time:%Y-%m-%d %H:%M} UTC)")
         return head

@@ -248,7 +248,7 @@ def compare_with_last_good(model_dir: Path, last_good: LastGood, *, repo_id: str
                            spec: AnswerSpec) -> FilesComparison:
     """The new revision's tokenizer, templates and configs against the last good one's, published;
     the flow decides what a failing change means (it raises before the swap)."""
-    comparison = compare_files(model_dir, last_good.model_dir, last_good=f"{last_good.repo_id}@{last_good.commit[:12]}",
+    comparison = compare_files(model_dir, last_good.model_dir, last_good=last_good.what,
                                allow_changes=spec.allow_changed_files)
     artifacts.publish_files_comparison(comparison, repo_id)
     return comparison
