@@ -15,11 +15,12 @@ from tasks.bench.load import _watch_loop, run_level
 from tasks.bench.metrics import parse_metrics
 from tasks.bench.prompts import arrival_times, level_prompts, make_prompts
 from tasks.bench.report import save_results
-from tasks.bench.results import Latency, LevelResult, LevelRun, RequestRecord, ServerSamples, summarize
+from tasks.bench.results import Latency, LevelRun, RequestRecord, ServerSamples, summarize
 from tasks.bench.spec import BenchSpec, geometric_levels
 from tasks.bench.sweep import knee, stop_reason, sweep
 from tasks.cpus import server_and_client_cpus
 from tasks.errors import BenchConfigError
+from testkit.levels import level_result
 from testkit.openai_server import StreamingServer
 
 pytestmark = pytest.mark.quiet  # measures speed: runs alone, before the parallel part (Makefile)
@@ -35,12 +36,6 @@ def _ok(**measured) -> RequestRecord:
     """A completed request whose first chunk was its first content, one token per chunk."""
     return RequestRecord(ok=True, ttfc_s=measured.get("ttft_s"), token_itl_s=list(measured.get("itl_s", [])),
                          **measured)
-
-
-def _level(concurrency: int, output_throughput: float, completed: int = 1, **measured) -> LevelResult:
-    """A level as the sweep sees it: only the figures a test sets matter."""
-    return LevelResult(concurrency=concurrency, max_concurrency=concurrency, requests=completed, completed=completed,
-                       failed=0, duration=1.0, output_throughput=output_throughput, **measured)
 
 
 def test_tpot_is_decode_time_over_tokens_after_the_first():
@@ -235,28 +230,28 @@ def test_sweep_stops_when_a_level_adds_too_little_throughput_and_names_the_knee(
     throughput = {1: 80.0, 2: 150.0, 4: 155.0, 8: 300.0}
     spec = SPEC.model_copy(update=dict(concurrency_levels=[1, 2, 4, 8]))
     stops: list[str] = []
-    rows = sweep(spec, lambda c: _level(c, throughput[c]), stops.append)
+    rows = sweep(spec, lambda c: level_result(c, throughput[c]), stops.append)
     assert [r.concurrency for r in rows] == [1, 2, 4]
     assert stops == [stop_reason(rows, 0.05)] and "saturated at concurrency 4" in stops[0]
     assert knee(rows).concurrency == 4
-    every = sweep(spec.model_copy(update=dict(min_throughput_gain=None)), lambda c: _level(c, throughput[c]))
+    every = sweep(spec.model_copy(update=dict(min_throughput_gain=None)), lambda c: level_result(c, throughput[c]))
     assert len(every) == 4  # sweeping every level was asked for
     # Throughput that fell is said as such, not as "less than 5% more".
-    fell = [_level(1, 80.0), _level(2, 3599.0), _level(4, 1997.0)]
+    fell = [level_result(1, 80.0), level_result(2, 3599.0), level_result(4, 1997.0)]
     assert stop_reason(fell, 0.05) == ("saturated at concurrency 4: output throughput fell to 1,997 tok/s "
                                        "from 3,599 at 2")
 
 
 def test_sweep_stops_when_the_slo_breaks_and_the_knee_stays_within_it():
-    rows = [_level(1, 80.0, 8, within_slo=True, slo_attainment=1.0), _level(2, 150.0, 8, within_slo=True,
+    rows = [level_result(1, 80.0, 8, within_slo=True, slo_attainment=1.0), level_result(2, 150.0, 8, within_slo=True,
                                                                             slo_attainment=1.0),
-            _level(4, 290.0, 8, within_slo=False, slo_attainment=0.5)]
+            level_result(4, 290.0, 8, within_slo=False, slo_attainment=0.5)]
     assert "SLO missed at concurrency 4 (50% of requests within)" == stop_reason(rows, 0.05)
     assert knee(rows).concurrency == 2
 
 
 def test_a_level_without_a_steady_state_is_no_knee_beside_steady_ones():
-    rows = [_level(1, 80.0), _level(2, 150.0), _level(4, 160.0).model_copy(update=dict(steady=False))]
+    rows = [level_result(1, 80.0), level_result(2, 150.0), level_result(4, 160.0).model_copy(update=dict(steady=False))]
     assert knee(rows).concurrency == 2  # 160 tok/s there includes its fill and drain
     assert knee(rows[2:]).concurrency == 4  # the only level measured: still named
 

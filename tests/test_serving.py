@@ -8,17 +8,12 @@ import sys
 
 import pytest
 
-from tasks.bench.results import LevelResult
 from tasks.bench.spec import BenchSpec
 from tasks.serving import Serving
 from tasks.vllm.process import ServerHandle, group_members
+from testkit.levels import level_result
 
 pytestmark = pytest.mark.quiet  # measures speed: runs alone, before the parallel part (Makefile)
-
-
-def _level(concurrency: int, output_throughput: float) -> LevelResult:
-    return LevelResult(concurrency=concurrency, max_concurrency=concurrency, requests=1, completed=1, failed=0,
-                       duration=1.0, output_throughput=output_throughput)
 
 
 def _server(tmp_path) -> ServerHandle:
@@ -54,7 +49,7 @@ def test_a_server_someone_else_runs_is_swept_and_never_stopped():
     spec = BenchSpec(concurrency_levels=[1, 2, 4, 8], min_throughput_gain=0.1)
     speeds = {1: 100.0, 2: 190.0, 4: 200.0, 8: 150.0}
     with Serving(base_url="http://gpu-host:8000") as serving:
-        swept = serving.sweep(spec, lambda c: _level(c, speeds[c]))
+        swept = serving.sweep(spec, lambda c: level_result(c, speeds[c]))
     assert serving.handle is None and serving.base_url == "http://gpu-host:8000"
     assert [r.concurrency for r in swept.rows] == [1, 2, 4]  # +5% from 2 to 4: the sweep stops there
     assert swept.stop and swept.single_stream.concurrency == 1 and swept.knee.concurrency == 4
