@@ -15,7 +15,7 @@ import pytest
 
 from tasks.fleet.canary import MIN_REQUESTS, TTFT, Histogram, HostWindow, judge_canary, observe_canary, parse_histograms
 from tasks.fleet.hosts import FleetHost
-from tasks.fleet.router import HAProxy, ServerStats, Traffic, rotation
+from tasks.fleet.router import HAProxy, RouterRefused, ServerStats, Traffic, rotation
 from testkit.openai_server import StreamingServer
 from testkit.prefect_processes import free_port
 from testkit.router import SteadyLoad, haproxy
@@ -168,3 +168,30 @@ def test_a_canary_window_with_too_few_requests_is_held_open_until_it_can_judge(t
     verdict, = judged
     assert verdict.requests >= MIN_REQUESTS, verdict.summary()
     assert 2.0 < verdict.extended_to_s < 3 * 2.0 and "window held open to" in verdict.summary()
+
+
+def test_a_command_the_router_refuses_is_one_clear_line_and_one_it_takes_is_not(tmp_path):
+    port = free_port()
+    with _host(port), haproxy([("host-a", "127.0.0.1", port)], work_dir=tmp_path, port=free_port()) as router:
+        at = HAProxy(router)
+        assert at.admit("host-a").in_rotation
+        at.set_weight("host-a", 50)  # taken: no error
+        assert at.server("host-a").weight == 50
+        for refused, said in [(lambda: at.set_weight("host-z", 50), "No such server."),
+                              (lambda: at.set_state("host-a", "half-open"), "'set server <srv> state' expects"),
+                              (lambda: at.ask("enable agent fleet/host-a"), "Agent was not configured"),
+                              (lambda: at.ask("set server fleet/host-a addr 1.2.3"), "Invalid addr '1.2.3'"),
+                              (lambda: at.ask("frobnicate"), "Unknown command")]:
+            with pytest.raises(RouterRefused) as err:
+                refused()
+            assert said in str(err.value) and "\n" not in str(err.value), err.value
+    # A router whose servers keep HAProxy's default weight (1): half of it is 0, no traffic at all.
+    # The canary's share is refused, and its weight is left whole.
+    (tmp_path / "weight-1").mkdir()
+    with _host(port), haproxy([("host-a", "127.0.0.1", port)], work_dir=tmp_path / "weight-1", port=free_port(),
+                              edit=lambda cfg: cfg.replace(" weight 100", "")) as router:
+        at = HAProxy(router)
+        assert at.admit("host-a").in_rotation
+        with pytest.raises(RouterRefused, match="50% of server fleet/host-a's configured weight is 0"):
+            at.set_weight("host-a", 50)
+        assert at.server("host-a").in_rotation and at.server("host-a").user_weight == 1

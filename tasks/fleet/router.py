@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import csv
 import io
+import re
 import socket
 import time
 from collections.abc import Iterator
@@ -65,6 +66,7 @@ class ServerStats:
     weight: int
     mean_response_ms: int  # rtime: over the last 1,024 requests
     mean_total_ms: int  # ttime
+    user_weight: int = 0  # uweight: the weight set (through the socket or the configuration), up or down
 
     @property
     def in_rotation(self) -> bool:
@@ -81,6 +83,19 @@ def _int(row: dict, key: str) -> int:
         return int(row.get(key) or 0)
     except ValueError:
         return 0
+
+
+SEVERITY = re.compile(r"^\[(\d)\]: (.*)$", re.M)
+
+
+def _refusal(answer: str) -> str | None:
+    """The message of a refused command: an error or a warning (syslog severity 4 or worse: HAProxy
+    2.6 warns "Invalid addr" of a change it did not make), or an unknown command (which it answers at
+    severity 6, with its list of commands)."""
+    for level, message in SEVERITY.findall(answer):
+        if int(level) <= 4 or message.startswith("Unknown command"):
+            return message.strip()
+    return None
 
 
 class HAProxy:
@@ -104,19 +119,20 @@ class HAProxy:
         except (OSError, ValueError) as exc:
             raise RouterUnreachable(f"router {admin}: cannot connect ({exc})") from exc
         with conn:
-            conn.sendall(command.encode() + b"\n")
+            # HAProxy's messages then carry their syslog severity ("[3]: No such server."), so a
+            # refusal is known by its level, not by guessing at its wording.
+            conn.sendall(b"set severity-output number; " + command.encode() + b"\n")
             chunks = []
             while chunk := conn.recv(65536):
                 chunks.append(chunk)
         answer = b"".join(chunks).decode(errors="replace")
-        if answer.strip() and answer.lstrip().lower().startswith(("unknown", "no such", "permission denied",
-                                                                  "require", "'set server'")):
-            raise RouterRefused(f"router {admin} refused '{command}': {answer.strip().splitlines()[0]}")
+        if refusal := _refusal(answer):
+            raise RouterRefused(f"router {admin} refused '{command}': {refusal}")
         return answer
 
     def stats(self) -> dict[str, ServerStats]:
         """The backend's servers by name, with "BACKEND" and "FRONTEND" rows for the totals."""
-        text = self.ask("show stat").lstrip("# ")
+        text = self.ask("show stat").lstrip().lstrip("# ")
         rows = {}
         for row in csv.DictReader(io.StringIO(text)):
             proxy, name = row.get("pxname"), row.get("svname", "")
@@ -126,7 +142,8 @@ class HAProxy:
                     name=name, status=row.get("status", ""), current=_int(row, "scur"), queued=_int(row, "qcur"),
                     requests=requests, responses_5xx=_int(row, "hrsp_5xx"), cut_by_server=_int(row, "srv_abrt"),
                     connect_errors=_int(row, "econ"), response_errors=_int(row, "eresp"),
-                    weight=_int(row, "weight"), mean_response_ms=_int(row, "rtime"), mean_total_ms=_int(row, "ttime"))
+                    weight=_int(row, "weight"), mean_response_ms=_int(row, "rtime"), mean_total_ms=_int(row, "ttime"),
+                    user_weight=_int(row, "uweight"))
         if not any(name not in ("BACKEND", "FRONTEND") for name in rows):
             raise UnusableInput(f"router {self.config.admin}: backend '{self.config.backend}' has no servers")
         return rows
@@ -142,8 +159,15 @@ class HAProxy:
         return found
 
     def set_weight(self, name: str, percent: int) -> None:
-        """A share of the host's usual weight (its weight in the configuration is 100%)."""
+        """A share of the host's usual weight (its weight in the configuration is 100%). HAProxy rounds
+        the share of a server's configured weight down: at its default weight of 1 any share below
+        100% is 0, no traffic at all, which is refused here rather than judged as a quiet canary."""
         self.ask(f"set weight {self.config.backend}/{name} {percent}%")
+        if percent > 0 and self.server(name).user_weight == 0:
+            self.ask(f"set weight {self.config.backend}/{name} 100%")
+            raise RouterRefused(f"router {self.config.admin}: {percent}% of server {self.config.backend}/{name}'s "
+                                "configured weight is 0, no traffic; give each host's server `weight 100` in "
+                                "haproxy.cfg (as tasks/fleet/router.py haproxy_config writes it)")
 
     def set_state(self, name: str, state: str) -> None:
         self.ask(f"set server {self.config.backend}/{name} state {state}")
@@ -272,6 +296,6 @@ frontend {router.frontend or "clients"}
 backend {router.backend}
     balance leastconn
     option httpchk GET /health
-    default-server inter 500ms fall 2 rise 2
+    default-server inter 500ms fall 2 rise 2 weight 100
 {hosts}
 """

@@ -8,7 +8,7 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,14 +20,16 @@ HAPROXY = shutil.which("haproxy") or "/usr/sbin/haproxy"
 
 
 @contextlib.contextmanager
-def haproxy(servers: list[tuple[str, str, int]], *, work_dir: Path, port: int) -> Iterator[RouterConfig]:
-    """HAProxy in the foreground (-db), configured by the product's own haproxy_config; stopped at exit."""
+def haproxy(servers: list[tuple[str, str, int]], *, work_dir: Path, port: int,
+            edit: Callable[[str], str] = lambda cfg: cfg) -> Iterator[RouterConfig]:
+    """HAProxy in the foreground (-db), configured by the product's own haproxy_config (as `edit`
+    changes it: a router its operator configured otherwise); stopped at exit."""
     if not Path(HAPROXY).exists():
         raise AssertionError("haproxy is not installed: apt-get install haproxy (.ci/run does)")
     router = RouterConfig(admin=str(work_dir / "haproxy.sock"), backend="fleet", frontend="clients",
                           admit_timeout_s=30)
     config = work_dir / "haproxy.cfg"
-    config.write_text(haproxy_config(servers, router=router, bind=f"127.0.0.1:{port}"))
+    config.write_text(edit(haproxy_config(servers, router=router, bind=f"127.0.0.1:{port}")))
     log = (work_dir / "haproxy.log").open("w")
     process = subprocess.Popen([HAPROXY, "-db", "-f", str(config)], stdout=log, stderr=subprocess.STDOUT)
     try:
