@@ -57,9 +57,9 @@ from tasks.history.runs import RunRecord, check_regression, run_record
 from tasks.history.serving import check_state_files, take_over
 from tasks.history.swap import abandoned_swap, begin_swap, end_swap
 from tasks.history.tuned import read_tuned
+from tasks.names import model_slug
 from tasks.orchestration.artifacts import (
     command_block,
-    model_slug,
     publish_deploy_summary,
     publish_rollback,
 )
@@ -84,7 +84,13 @@ from tasks.orchestration.steps import (
 from tasks.serving import Serving
 from tasks.vllm.command import warming_option_table
 from tasks.vllm.gap import GapProbe, Unavailability
-from tasks.vllm.process import Prestarted, cancel_prestart, reap_stale, serving_group, serving_headless
+from tasks.vllm.process import (
+    Prestarted,
+    cancel_prestart,
+    reap_stale,
+    serving_group,
+    serving_headless,
+)
 from tasks.vllm.readiness import slow_start
 from tasks.vllm.settings import ServerConfig
 

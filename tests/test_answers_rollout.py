@@ -23,7 +23,8 @@ from flows.deploy import deploy_model
 from flows.nightly import nightly_refresh
 from tasks.errors import AnswerCheckFailed, FilesChanged
 from tasks.history.last_good import read_last_good
-from tasks.orchestration.history import model_slug, read_history
+from tasks.names import model_slug
+from tasks.orchestration.history import read_history
 from tasks.vllm.process import reap_stale
 
 pytestmark = pytest.mark.usefixtures("prefect_server")

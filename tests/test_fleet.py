@@ -55,7 +55,8 @@ from tasks.fleet.hosts import HostsFile
 from tasks.fleet.router import HAProxy
 from tasks.history.last_good import read_last_good
 from tasks.hub import resolve_snapshot
-from tasks.orchestration.history import model_slug, read_history
+from tasks.names import model_slug
+from tasks.orchestration.history import read_history
 from tasks.vllm.process import reap_stale, serving_group
 from testkit.browser import CHROMIUM, open_artifact
 from testkit.faulty_mirror import FaultyMirror

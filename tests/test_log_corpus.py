@@ -12,7 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from tasks.vllm.log import classify_failure, failure_cause, next_step, server_facts, start_failure
+from tasks.names import model_slug
+from tasks.vllm.log import (
+    classify_failure,
+    failure_cause,
+    next_step,
+    server_facts,
+    start_failure,
+)
 from tasks.vllm.readiness import ServerFacts, slow_start
 
 CORPUS = Path(__file__).parent / "fixtures" / "vllm_logs"
@@ -174,7 +181,7 @@ def test_a_failed_start_carries_its_next_step_into_the_error_and_the_artifact(tm
     shown = {}
     monkeypatch.setattr(artifacts, "create_markdown_artifact", lambda **kw: shown.update(kw))
     artifacts.publish_server_failure(err, "org/model")
-    assert shown["key"] == "server-failure-" + artifacts.model_slug("org/model")
+    assert shown["key"] == "server-failure-" + model_slug("org/model")
     assert f"**Next step:** {err.next_step}" in shown["markdown"]
 
 

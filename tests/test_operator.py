@@ -26,7 +26,8 @@ from flows.nightly import nightly_refresh
 from tasks.cpus import server_and_client_cpus
 from tasks.errors import RegressionError
 from tasks.history.last_good import read_last_good, write_last_good
-from tasks.orchestration.history import model_slug, read_history
+from tasks.names import model_slug
+from tasks.orchestration.history import read_history
 from tasks.vllm.process import group_members, reap_stale, serving_group
 from testkit.prefect_processes import BIN, free_port
 

@@ -42,7 +42,7 @@ def bench(
     from tasks.bench.prompts import level_prompts
     from tasks.bench.report import save_results
     from tasks.bench.spec import geometric_levels
-    from tasks.orchestration.history import model_slug  # not artifacts: that imports Prefect, bench runs without it
+    from tasks.names import model_slug
     from tasks.serving import Serving
 
     if max_concurrency:

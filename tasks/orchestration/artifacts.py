@@ -39,7 +39,8 @@ from tasks.history.chart import history_chart
 from tasks.history.runs import RunRecord, newest_regressed, readable
 from tasks.host import host_name
 from tasks.hub import FetchResult
-from tasks.orchestration.history import HISTORY, PAGE, model_slug
+from tasks.names import model_slug
+from tasks.orchestration.history import HISTORY, PAGE
 from tasks.tuning.measure import CandidateResult
 from tasks.tuning.report import tuning_markdown, tuning_rows
 from tasks.vllm.readiness import PHASES, ServerFacts, slow_start

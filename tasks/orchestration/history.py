@@ -6,17 +6,12 @@ the UI is what `rollout history` prints."""
 from __future__ import annotations
 
 import json
-import re
 
 from tasks.history.runs import RunRecord
+from tasks.names import model_slug
 
 HISTORY = "history-"
 PAGE = 200  # the API's default page limit
-
-
-def model_slug(repo_id: str) -> str:
-    """Artifact keys allow lowercase letters, digits and dashes only."""
-    return re.sub(r"-+", "-", re.sub(r"[^a-z0-9]+", "-", repo_id.lower())).strip("-")
 
 
 def read_history(model: str | None = None) -> list[RunRecord]:
@@ -26,7 +21,11 @@ def read_history(model: str | None = None) -> list[RunRecord]:
     and what an engineer sees in the UI is what `rollout history` prints.
     """
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, ArtifactFilterType
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterKey,
+        ArtifactFilterType,
+    )
     from prefect.client.schemas.sorting import ArtifactSort
 
     key = ArtifactFilterKey(any_=[HISTORY + model_slug(model)]) if model else ArtifactFilterKey(like_=HISTORY)

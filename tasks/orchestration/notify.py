@@ -19,7 +19,8 @@ from prefect.runtime import flow_run
 
 from tasks.errors import UnusableInput
 from tasks.host import host_name
-from tasks.orchestration.artifacts import model_slug, ui_link
+from tasks.names import model_slug
+from tasks.orchestration.artifacts import ui_link
 
 AUTOMATIONS = Path(__file__).resolve().parents[2] / "deployments" / "automations.yaml"
 BLOCK_PLACEHOLDER = "NOTIFICATION_BLOCK"

@@ -11,7 +11,7 @@ from prefect.client.orchestration import get_client
 from prefect.runtime import deployment, flow_run
 
 from tasks.host import host_name
-from tasks.orchestration.artifacts import model_slug
+from tasks.names import model_slug
 
 TRIGGER = "trigger:"
 
@@ -49,7 +49,10 @@ def label_run(repo_id: str, revision: str, commit: str | None = None, *, prefix:
 
 def child_run_id() -> str | None:
     """The newest flow run the current one started (the nightly's deploy), for a link to it."""
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterParentFlowRunId,
+    )
     from prefect.client.schemas.sorting import FlowRunSort
 
     run_id = flow_run.get_id()
