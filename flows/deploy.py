@@ -84,13 +84,7 @@ from tasks.orchestration.steps import (
 from tasks.serving import Serving
 from tasks.vllm.command import warming_option_table
 from tasks.vllm.gap import GapProbe, Unavailability
-from tasks.vllm.process import (
-    Prestarted,
-    cancel_prestart,
-    reap_stale,
-    serving_group,
-    serving_headless,
-)
+from tasks.vllm.process import Prestarted, cancel_prestart, reap_stale, serving_group, serving_headless
 from tasks.vllm.readiness import slow_start
 from tasks.vllm.settings import ServerConfig
 

@@ -13,13 +13,7 @@ from pathlib import Path
 import pytest
 
 from tasks.names import model_slug
-from tasks.vllm.log import (
-    classify_failure,
-    failure_cause,
-    next_step,
-    server_facts,
-    start_failure,
-)
+from tasks.vllm.log import classify_failure, failure_cause, next_step, server_facts, start_failure
 from tasks.vllm.readiness import ServerFacts, slow_start
 
 CORPUS = Path(__file__).parent / "fixtures" / "vllm_logs"

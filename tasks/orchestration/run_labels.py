@@ -49,10 +49,7 @@ def label_run(repo_id: str, revision: str, commit: str | None = None, *, prefix:
 
 def child_run_id() -> str | None:
     """The newest flow run the current one started (the nightly's deploy), for a link to it."""
-    from prefect.client.schemas.filters import (
-        FlowRunFilter,
-        FlowRunFilterParentFlowRunId,
-    )
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
     from prefect.client.schemas.sorting import FlowRunSort
 
     run_id = flow_run.get_id()
