@@ -260,6 +260,16 @@ def start_failure(log_path: Path, what: str, cause: str | None = None) -> Server
                             next_step=next_step(cause, full))
 
 
+def read_from(path: Path, offset: int) -> bytes:
+    """What a growing log holds past `offset` (nothing yet where it does not exist yet)."""
+    try:
+        with path.open("rb") as fh:
+            fh.seek(offset)
+            return fh.read()
+    except FileNotFoundError:
+        return b""
+
+
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])

@@ -19,7 +19,7 @@ from pathlib import Path
 from tasks.cpus import parse_cpus
 from tasks.errors import ServerStartError
 from tasks.vllm.command import build_command, check_arguments
-from tasks.vllm.log import start_failure
+from tasks.vllm.log import read_from, start_failure
 from tasks.vllm.settings import ServerConfig
 
 
@@ -192,22 +192,13 @@ def wait_imported(pre: Prestarted, timeout_s: float, *, poll_s: float = 0.1) -> 
     while time.monotonic() - started < timeout_s:
         if (code := pre.process.poll()) is not None:
             raise start_failure(pre.log_path, f"exited with code {code} while it was imported ahead of the swap")
-        offset, chunk = _read_from(pre.log_path, offset)
+        chunk = read_from(pre.log_path, offset)
+        offset += len(chunk)
         seen = seen[-len(IMPORTED):] + chunk  # the line may straddle two reads
         if IMPORTED in seen:
             break
         time.sleep(poll_s)
     return time.monotonic() - started
-
-
-def _read_from(path: Path, offset: int) -> tuple[int, bytes]:
-    try:
-        with path.open("rb") as fh:
-            fh.seek(offset)
-            chunk = fh.read()
-    except FileNotFoundError:
-        return offset, b""
-    return offset + len(chunk), chunk
 
 
 def cancel_prestart(pre: Prestarted) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 from pydantic import BaseModel
 
-from tasks.vllm.log import PROGRESS, server_facts, start_failure
+from tasks.vllm.log import PROGRESS, read_from, server_facts, start_failure
 from tasks.vllm.process import (
     Prestarted,
     ServerHandle,
@@ -25,12 +25,7 @@ from tasks.vllm.settings import ServerConfig
 
 def _follow(path: Path, offset: int, report: Callable[[str], None]) -> int:
     """Pass new progress lines of the log to report(); returns the new read offset."""
-    try:
-        with path.open("rb") as fh:
-            fh.seek(offset)
-            chunk = fh.read()
-    except FileNotFoundError:
-        return offset
+    chunk = read_from(path, offset)
     complete = chunk[: chunk.rfind(b"\n") + 1]
     for line in complete.decode(errors="replace").splitlines():
         if PROGRESS.search(line):
