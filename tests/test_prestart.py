@@ -5,6 +5,7 @@ tests/test_answers_rollout.py (the gap a client sees) and tests/test_operator.py
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -16,13 +17,16 @@ from pathlib import Path
 import pytest
 
 from tasks.errors import ServerStartError
-from tasks.vllm.process import Prestarted, cancel_prestart, wait_imported
+from tasks.vllm.process import Prestarted, _cpus_while_held, _launch, cancel_prestart, open_gate, wait_imported
+from tasks.vllm.settings import ServerConfig
 
 SERVER = textwrap.dedent('''
-    import sys, time
+    import os, sys, time
     from pathlib import Path
     Path("{marks}/imported").write_text(str(time.monotonic()))
+    Path("{marks}/imported-on").write_text(str(sorted(os.sched_getaffinity(0))))
     if __name__ == "__main__":
+        Path("{marks}/ran-on").write_text(str(sorted(os.sched_getaffinity(0))))
         Path("{marks}/ran").write_text(" ".join(sys.argv[1:]))
 ''')
 
@@ -124,3 +128,23 @@ def test_the_deploy_waits_for_the_imports_and_a_failed_import_is_a_classified_fa
     assert failed.value.cause == "cuda-kernel-error" and "no kernel image" in str(failed.value)
     assert str(failed.value).startswith("vLLM exited with code 1 while it was imported ahead of the swap")
     assert failed.value.log_tail.strip().endswith("no kernel image is available for execution on the device")
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a CPU besides the server's")
+def test_it_imports_off_the_old_servers_cpus_and_runs_on_its_own(tmp_path, stand_in):
+    # The old server answers on the server's CPUs until the stop: the held imports run on the rest,
+    # and the server moves onto its CPUs when its gate opens.
+    server_cpu = min(os.sched_getaffinity(0))
+    cfg = ServerConfig(model_path=tmp_path, served_model_name="m", cpus=str(server_cpu))
+    log_path, gate = tmp_path / "vllm.next.log", tmp_path / "vllm.gate"
+    proc = _launch([sys.executable, "-m", "tasks.vllm.gate", str(gate), "-m", "stand_in_server"], cfg, log_path,
+                   None, cpus=_cpus_while_held(cfg))
+    pre = Prestarted(cfg=cfg, run_dir=tmp_path, port=None, command=["vllm"], process=proc, gate=gate,
+                     log_path=log_path)
+    wait_imported(pre, timeout_s=60, poll_s=0.01)
+    held_on = json.loads((stand_in / "imported-on").read_text())
+    assert held_on and server_cpu not in held_on
+    open_gate(pre)
+    wait_for(stand_in / "ran")
+    assert json.loads((stand_in / "ran-on").read_text()) == [server_cpu]
+    proc.wait(timeout=30)

@@ -124,7 +124,9 @@ def _checked_launch(cfg: ServerConfig, run_dir: Path) -> tuple[int | None, list[
     return port, command
 
 
-def _launch(command: list[str], cfg: ServerConfig, log_path: Path, api_key: str | None) -> subprocess.Popen:
+def _launch(command: list[str], cfg: ServerConfig, log_path: Path, api_key: str | None, *,
+            cpus: set[int] | None = None) -> subprocess.Popen:
+    """vLLM's process, in its own group, on `cpus` (default: the server's own, `cfg.cpus`)."""
     env = {**os.environ, **cfg.env}
     if api_key:
         env["VLLM_API_KEY"] = api_key  # vLLM reads it there; on the command line it would show in ps
@@ -132,11 +134,30 @@ def _launch(command: list[str], cfg: ServerConfig, log_path: Path, api_key: str 
         proc = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
         )
-    if cfg.cpus:
+    if cpus := cpus or parse_cpus(cfg.cpus):
         # Popen has returned after exec, while vLLM is still importing: every process and thread it
         # starts later (engine core, workers) inherits this affinity.
-        os.sched_setaffinity(proc.pid, parse_cpus(cfg.cpus))
+        os.sched_setaffinity(proc.pid, cpus)
     return proc
+
+
+def _cpus_while_held(cfg: ServerConfig) -> set[int] | None:
+    """Where a prestarted vLLM imports while the old server still answers: off the server's CPUs
+    (the old one runs there), on the rest this process may use; on the server's where there is no
+    rest. It moves to the server's CPUs when its gate opens."""
+    server = parse_cpus(cfg.cpus)
+    if server is None:
+        return None
+    return (os.sched_getaffinity(0) - server) or server
+
+
+def _pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of the process (an affinity is per thread; those it starts later inherit it)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), cpus)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
 
 
 def _serving(cfg: ServerConfig, run_dir: Path, *, port: int | None, command: list[str], proc: subprocess.Popen,
@@ -157,7 +178,8 @@ def prestart_server(cfg: ServerConfig, run_dir: Path, api_key: str | None = None
     port, command = _checked_launch(cfg, run_dir)
     gate, log_path = run_dir / "vllm.gate", run_dir / "vllm.next.log"
     gate.unlink(missing_ok=True)
-    proc = _launch([command[0], "-m", "tasks.vllm.gate", str(gate), *command[1:]], cfg, log_path, api_key)
+    proc = _launch([command[0], "-m", "tasks.vllm.gate", str(gate), *command[1:]], cfg, log_path, api_key,
+                   cpus=_cpus_while_held(cfg))
     return Prestarted(cfg=cfg, run_dir=run_dir, port=port, command=command, process=proc, gate=gate,
                       log_path=log_path, api_key=api_key)
 
@@ -177,6 +199,8 @@ def open_gate(pre: Prestarted) -> ServerHandle:
     os.replace(pre.log_path, log_path)  # the process writes on through its open file
     handle = _serving(pre.cfg, pre.run_dir, port=pre.port, command=pre.command, proc=pre.process,
                       log_path=log_path, api_key=pre.api_key)
+    if pre.cfg.cpus:
+        _pin(pre.process.pid, parse_cpus(pre.cfg.cpus))
     pre.gate.write_text("open")
     return handle
 
