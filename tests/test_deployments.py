@@ -6,24 +6,34 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 from conftest import artifact
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import WorkPoolCreate
-from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName, FlowFilter, FlowFilterName
+from prefect.client.schemas.filters import (
+    DeploymentFilter,
+    DeploymentFilterName,
+    FlowFilter,
+    FlowFilterName,
+    FlowRunFilter,
+    FlowRunFilterTags,
+)
 from prefect.exceptions import ObjectAlreadyExists
-from prefect.settings import PREFECT_API_URL
+from prefect.settings import PREFECT_API_URL, temporary_settings
 
 import flows.nightly
 from flows.demo import BF16_REPO, demo_config
 from flows.fleet import fleet_rollout
 from flows.nightly import nightly_refresh
-from tasks.errors import FleetRolloutFailed
+from tasks.errors import FleetRolloutFailed, HostUnreachable
 from tasks.fleet.hosts import FleetConfig, FleetHost
 from tasks.history.last_good import LastGood, write_last_good
 from tasks.hub import resolve_snapshot
+from tasks.orchestration.steps import run_on_host
+from testkit.stalling_api import StallingApi
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,3 +136,18 @@ def test_nightly_deploys_a_moved_revision_pinned_to_the_new_commit(local_hub, tm
     assert [(c.repo_id, c.revision) for c in deployed] == [(BF16_REPO, commit)]
     assert f"**Deployed:** commit `{commit}` (last good before: `{BF16_REPO}@{'0' * 40}`)" in (
         artifact("nightly-demo-tiny-moe").data)
+
+
+def test_a_prefect_api_that_stalls_while_a_host_run_is_created_makes_one_run_not_two(registered):
+    # The server creates the run, its answer is lost (a stall under load), and the client sends the
+    # request again: the call's idempotency key makes the server hand back the same run. Without it
+    # the host got a second run, which its deployment's concurrency limit cancelled, and which the
+    # rollout followed to "Cancelled".
+    tag = f"stall-{uuid.uuid4().hex[:8]}"
+    with StallingApi(PREFECT_API_URL.value(), path_part="/create_flow_run") as api, \
+            temporary_settings({PREFECT_API_URL: api.url}), pytest.raises(HostUnreachable, match="no worker took it"):
+        run_on_host("stop-model/gpu-box-1", {"target": {"models_root": "/models"}}, 3, tags=[tag])
+    assert len(api.stalled) == 1 and sum("/create_flow_run" in s for s in api.seen) == 2  # it was sent again
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[tag])))
+    assert [r.state.type.value for r in runs] == ["CANCELLED"]  # one run, cancelled at its pickup deadline
