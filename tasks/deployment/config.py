@@ -52,9 +52,10 @@ class DeployConfig(BaseModel):
                           "server stops (within MemAvailable less prewarm_margin_gb and the serving model's files), so "
                           "vLLM's load after the stop reads memory, not disk")
     prewarm_margin_gb: float = Field(8.0, ge=0, description="Memory left to the host when prewarming, in GB")
-    prestart: bool = Field(False, description="Launch the new vLLM before the old server stops, its Python imports "
-                           "done and held at a gate until the stop (tasks/vllm/gate.py), so the host serves nothing "
-                           "only for the rest of the start (benchmarks/swap.py: 9-10 s less here)")
+    prestart: bool = Field(True, description="Launch the new vLLM before the old server stops, its Python imports "
+                           "done (off the server's CPUs) and held at a gate until the stop (tasks/vllm/gate.py), so "
+                           "the host serves nothing only for the rest of the start (benchmarks/swap.py: 9-10 s less "
+                           "here)")
     keep_serving: bool = Field(True, description="Leave the new server serving after its benchmark (the "
                                "deployment); off stops it, and a server it replaced stays stopped")
     max_regression: float | None = Field(0.1, ge=0, lt=1,
