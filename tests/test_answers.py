@@ -12,7 +12,6 @@ from tasks.answers.check import (
     _scored,
     ask,
     ask_parsers,
-    check_answers,
     degeneration,
     flip_p_value,
     flips,
@@ -20,6 +19,7 @@ from tasks.answers.check import (
     load_probes,
 )
 from tasks.answers.load import check_under_load
+from tasks.answers.server_check import check_answers
 from tasks.answers.spec import AnswerSpec
 from tasks.errors import UnusableInput
 from testkit.openai_server import StreamingServer

@@ -18,8 +18,9 @@ from prefect.blocks.system import Secret
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import FlowRun
 
-from tasks.answers.check import AnswerBaseline, AnswerReport, check_answers
+from tasks.answers.check import AnswerBaseline, AnswerReport
 from tasks.answers.files import FilesComparison, compare_files
+from tasks.answers.server_check import check_answers
 from tasks.answers.spec import AnswerSpec
 from tasks.bench.load import run_level
 from tasks.bench.report import save_results

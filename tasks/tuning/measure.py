@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from tasks.answers.check import check_answers
+from tasks.answers.server_check import check_answers
 from tasks.answers.spec import AnswerSpec
 from tasks.bench.load import run_level
 from tasks.bench.results import LevelResult
