@@ -147,8 +147,8 @@ def _deploy(config: DeployConfig) -> tuple[DeployResult | None, DeployReport]:
             server = server_config(config, prepared.model_dir, gpu.platform)
             served, restored = _swap(config, previous, prepared, server, gpu=gpu, last_run=last_run,
                                      same_weights=same_weights)
-            report = replace(report, previous_stopped=previous is not None, served=served, restored=restored,
-                             error=served.error)
+            report = replace(report, previous_stopped=_stopped(previous, config.run_dir), served=served,
+                             restored=restored, error=served.error)
     except BaseException as err:  # SIGTERM, Ctrl-C and a cancel too: the summary says how the run ended
         return None, replace(report, previous_stopped=_stopped(previous, config.run_dir), error=err)
     if report.error is not None:
@@ -232,17 +232,19 @@ def _swap(config: DeployConfig, previous: LastGood | None, prepared: PreparedMod
 
             if previous is None:
                 probe.pause()  # nothing served before: no gap to measure, and no load to add
-            else:  # from here a failure restores it
-                if config.prestart:  # the new server's imports while the old one answers
-                    prestarted = prestart_vllm(server, config.run_dir, api_key_secret=config.api_key_secret)
-                probe.wait_for_answer(old_pgid)  # the old server's last answer is the gap's start
-                stop_serving(config.run_dir, _what(previous))
-                _group(_left_behind(previous, config), "leave")
+            elif config.prestart:  # the new server's imports while the old one answers
+                prestarted = prestart_vllm(server, config.run_dir, api_key_secret=config.api_key_secret)
+            stop_begun = False
             try:
+                if previous is not None:
+                    probe.wait_for_answer(old_pgid)  # the old server's last answer is the gap's start
+                    stop_begun = True  # from here a failure, a SIGTERM in the stop included, restores it
+                    stop_serving(config.run_dir, previous.what)
+                    _group(_left_behind(previous, config), "leave")
                 _group(config.group_members(), "join")  # the leader waits for every rank at start-up
                 served = _serve_and_bench(config, prepared, gpu, server, last_run=last_run,
                                           same_weights=same_weights, swap_gap=swap_gap, prestarted=prestarted)
-            except BaseException as err:  # a start that failed: nothing was served
+            except BaseException as err:  # a stop or a start that failed: nothing new was served
                 served = Served(error=err)
             if served.error is None:
                 promote_last_good(config.run_dir, deployment_record(config, prepared, served.handle, server=server,
@@ -252,8 +254,10 @@ def _swap(config: DeployConfig, previous: LastGood | None, prepared: PreparedMod
                 _group(config.group_members(), "leave")
             except Exception as left:  # a node that cannot leave must not keep the last good one down
                 logger.warning("the new group's secondary nodes did not all stop: %s", first_line(left))
-            if previous is None:
+            if previous is None or not stop_begun:  # the old server was never touched: it serves on
                 return served, None
+            if serving_group(config.run_dir / "server.json") is not None:  # a stop cut short, finished first
+                stop_serving(config.run_dir, "what the interrupted swap left running")
             probe.resume()
             what, failed = restore_last_good(
                 previous, run_dir=config.run_dir, startup_timeout_s=config.startup_timeout_s,
