@@ -162,3 +162,18 @@ def artifact(key: str):
                                       sort=ArtifactSort.CREATED_DESC, limit=1)
     assert found, f"no artifact {key}"
     return found[0]
+
+
+def demo_answer(port: int) -> str | None:
+    """The demo model's greedy answer to "41 42 43" on a host's port (" 44 45 46" when it serves
+    right); None where nothing answers."""
+    import httpx
+
+    from flows.demo import BF16_REPO
+
+    try:
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30, json={
+            "model": BF16_REPO, "prompt": "41 42 43", "max_tokens": 3, "temperature": 0}).json()
+    except httpx.HTTPError:
+        return None
+    return reply["choices"][0]["text"]

@@ -8,16 +8,15 @@ import subprocess
 import sys
 import time
 
-import httpx
 import pytest
-from conftest import vllm_processes
+from conftest import demo_answer, vllm_processes
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, TaskRunFilter, TaskRunFilterName
 from prefect.deployments import run_deployment
 from prefect.settings import PREFECT_API_URL
 from prefect.states import Cancelling
 
-from flows.demo import BF16_REPO, demo_config
+from flows.demo import demo_config
 from flows.deploy import deploy_model
 from tasks.history.last_good import read_last_good
 from tasks.orchestration.host_lock import LEASE_S, host_lock
@@ -38,15 +37,6 @@ def _wait(condition, timeout_s: float, what: str):
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
-def _answer(port: int) -> str | None:
-    try:
-        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30, json={
-            "model": BF16_REPO, "prompt": "41 42 43", "max_tokens": 3, "temperature": 0}).json()
-    except httpx.HTTPError:
-        return None
-    return reply["choices"][0]["text"]
-
-
 def test_cancel_mid_sweep_stops_the_new_server_and_the_last_good_serves_again(local_hub, tmp_path):
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_RUNNER_POLL_FREQUENCY": "2"}
     log = (tmp_path / "runner.log").open("wb")
@@ -59,7 +49,7 @@ def test_cancel_mid_sweep_stops_the_new_server_and_the_last_good_serves_again(lo
         deploy_model(demo_config(local_hub.endpoint, tmp_path / "models", port=port, concurrency_levels=[1],
                                  level_duration_s=1.0, keep_serving=True))
         good = serving_group(state)
-        assert good is not None and _answer(port) == " 44 45 46"
+        assert good is not None and demo_answer(port) == " 44 45 46"
         # A sweep long enough to be cancelled in the middle of it.
         config = demo_config(local_hub.endpoint, tmp_path / "models", requests_per_level=4000, port=port,
                              level_duration_s=None, output_len=64, keep_serving=True)
@@ -75,7 +65,7 @@ def test_cancel_mid_sweep_stops_the_new_server_and_the_last_good_serves_again(lo
         assert final.is_cancelled(), final
         # The new server stopped and the last good one started again on its port: by the run itself
         # on SIGTERM, or, where the runner killed it first, by its swap's guard.
-        _wait(lambda: _answer(port) == " 44 45 46", 300, "the last good deployment to answer again")
+        _wait(lambda: demo_answer(port) == " 44 45 46", 300, "the last good deployment to answer again")
         # Its restorer records it in last-good.json once its start is checked, a moment after it
         # first answers (a loaded machine has made that moment seconds).
         _wait(lambda: read_last_good(tmp_path / "models" / ".rollout").serving_pgid == serving_group(state), 60,

@@ -12,27 +12,17 @@ import sys
 import textwrap
 from pathlib import Path
 
-import httpx
 import pytest
-from conftest import artifact
+from conftest import artifact, demo_answer
 from prefect.settings import PREFECT_API_URL
 
-from flows.demo import BF16_REPO, demo_config
+from flows.demo import demo_config
 from flows.deploy import deploy_model
 from tasks.history.last_good import read_last_good
 from tasks.vllm.process import reap_stale, serving_group
 from testkit.prefect_processes import free_port
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
-
-
-def _answer(port: int) -> str | None:
-    try:
-        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30, json={
-            "model": BF16_REPO, "prompt": "41 42 43", "max_tokens": 3, "temperature": 0}).json()
-    except httpx.HTTPError:
-        return None
-    return reply["choices"][0]["text"]
 
 
 def _held(gate: Path) -> list[int]:
@@ -85,12 +75,12 @@ def test_a_sigterm_before_the_old_servers_stop_leaves_it_serving_and_one_inside_
     try:
         deploy_model(config)
         good = serving_group(state)
-        assert good is not None and _answer(port) == " 44 45 46"
+        assert good is not None and demo_answer(port) == " 44 45 46"
 
         # Before the stop: while the swap waits for the old server's last answer.
         ended = _redeploy(config, "before-the-stop")
         assert ended.returncode == -signal.SIGTERM or ended.returncode == 143, ended.stderr[-3000:]
-        assert serving_group(state) == good and _answer(port) == " 44 45 46"  # untouched
+        assert serving_group(state) == good and demo_answer(port) == " 44 45 46"  # untouched
         assert artifact("deploy-demo-tiny-moe").data.splitlines()[0].endswith("keeps serving")
         assert not _held(config.run_dir / "vllm.gate")  # the prestarted vLLM was ended, not left waiting
 
@@ -98,7 +88,7 @@ def test_a_sigterm_before_the_old_servers_stop_leaves_it_serving_and_one_inside_
         ended = _redeploy(config, "inside-the-stop")
         assert ended.returncode == -signal.SIGTERM or ended.returncode == 143, ended.stderr[-3000:]
         back = serving_group(state)
-        assert back not in (None, good) and _answer(port) == " 44 45 46", ended.stderr[-3000:]
+        assert back not in (None, good) and demo_answer(port) == " 44 45 46", ended.stderr[-3000:]
         assert read_last_good(config.run_dir).serving_pgid == back  # the last good, started again
         assert "Rolled back" in artifact("deploy-demo-tiny-moe").data.splitlines()[0]
     finally:
