@@ -1,8 +1,9 @@
 """The failure classifier, the next step and the start-up facts against real vLLM logs from GPU machines.
 
-Every fixture under tests/fixtures/vllm_logs is quoted from the public vLLM issue or pull request its first
-line cites; a failure's expected cause is in its file name (`<cause>-<number>.log`). Lines starting with
-"# " are that citation, not log. Pure unit tests: no server is started.
+Every fixture under tests/fixtures/vllm_logs is quoted from the public issue or pull request its first line
+cites (vLLM's, or a project's that runs vLLM); a failure's expected cause is in its file name
+(`<cause>-<number>.log`). Lines starting with "# " are that citation, not log. Pure unit tests: no server
+is started. docs/failure-causes.md says which logs the rules were written against and which were held out.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from tasks.vllm.readiness import ServerFacts, slow_start
 CORPUS = Path(__file__).parent / "fixtures" / "vllm_logs"
 FAILURES = sorted((CORPUS / "failures").glob("*.log"))
 HEALTHY = sorted((CORPUS / "healthy").glob("*.log"))
-CITATION = re.compile(r"# https://github\.com/vllm-project/vllm/(?:issues|pull)/(\d+): \S")
+# A public GitHub thread: vLLM's own, or a project that ships or runs vLLM (KServe, vllm-omni, a vendor's
+# fork) whose reporter quotes vLLM's log.
+CITATION = re.compile(r"# https://github\.com/[\w.-]+/[\w.-]+/(?:issues|pull)/(\d+): \S")
 SCORE_TO_KEEP = 0.9
 
 
@@ -162,6 +165,23 @@ def test_next_step_for_the_other_causes():
     for path in FAILURES:
         assert next_step(expected_cause(path), quoted(path)), path.name
     assert next_step("exited", "")
+
+
+def test_next_step_for_a_gpu_too_old_for_the_checkpoint_names_what_it_needs():
+    step = next_step("gpu-capability", fixture("gpu-capability-4327.log"))
+    assert "fp8 quantization needs compute capability 9.0, this GPU has 8.6" in step
+    step = next_step("gpu-capability", fixture("gpu-capability-1153.log"))
+    assert "compute capability 8.0, this Tesla T4 has 7.5" in step and "--dtype half" in step
+    assert "FP8" in next_step("gpu-capability", fixture("gpu-capability-54318.log"))
+    assert "compressed-tensors" in next_step("gpu-capability", fixture("gpu-capability-26297.log"))
+
+
+def test_next_step_for_a_kernel_build_a_config_and_an_install():
+    step = next_step("compile-failed", fixture("compile-failed-4657.log"))
+    assert "FlashInfer" in step and "nvcc" in step and "VLLM_USE_FLASHINFER_SAMPLER=0" in step
+    assert "--enforce-eager" in next_step("compile-failed", fixture("compile-failed-18730.log"))
+    assert "`architectures`" in next_step("model-config", fixture("model-config-2170.log"))
+    assert "reinstall vLLM" in next_step("broken-install", fixture("broken-install-13074.log"))
 
 
 def test_a_failed_start_carries_its_next_step_into_the_error_and_the_artifact(tmp_path, monkeypatch):

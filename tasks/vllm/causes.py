@@ -1,0 +1,239 @@
+"""The causes a failed vLLM start is named by, the log lines that show each, and what to try next.
+
+A cause is named by what the error means, as vLLM, PyTorch, NCCL, Triton or FlashInfer word it, so that
+the operator's next step fits it: a GPU too old for a checkpoint's quantization needs another checkpoint,
+a kernel build that fails needs a toolkit or a cache cleared, and neither is helped by "vLLM exited".
+The rules were written against real start-up logs from GPU machines quoted in public issues
+(tests/fixtures/vllm_logs, docs/failure-causes.md), and scored on a second batch read only afterwards.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+# Causes a line names outright; the first cause in this order that any error line matches wins, so a
+# specific message beats the generic CUDA error text printed with it ("NCCL error: unhandled cuda error",
+# "CUDA error: operation not permitted when stream is capturing", "CUDA error: out of memory").
+# Matching is case-insensitive: "Address already in use" and uvicorn's "address already in use".
+FAILURE_CAUSES = [
+    ("port-in-use", r"address already in use|EADDRINUSE|\[Errno 98\]"),
+    ("invalid-argument", (r"unrecognized arguments|error: argument|invalid choice|the following arguments are "
+                          r"required|provide the model as a positional argument")),
+    ("max-model-len-too-long", r"max_model_len \(\d+\) is greater than the derived"),
+    # The checkpoint's own config: missing, not JSON, or naming no architecture. vLLM raises these inside
+    # its pydantic ModelConfig check, so they come before the ValidationError catch-all at the end.
+    ("model-config", (r"No model architectures are specified|Expecting value: line \d+ column \d+|JSONDecodeError|"
+                      r"Error loading config|Invalid repository ID|Unrecognized model in|"
+                      r"should have a `?model_type`? key|Can't load (?:the )?configuration|"
+                      r"config\.json\W*(?:not found|does not exist)")),
+    # The GPU is older than what the checkpoint's quantization, dtype or kernel needs; checked before the
+    # generic "not supported" of unsupported-model and before a Triton CompilationError that only wraps it.
+    ("gpu-capability", (r"not supported for the current GPU|(?:Min(?:imum)?|Current) capability: \d+|"
+                        r"compute capability (?:of at least|below|>=?) ?\d|"
+                        r"only supports? \w+ GPUs or newer|not supported in this architecture|"
+                        r"(?:not supported|unsupported) on (?:this|your|the current) GPU")),
+    ("out-of-memory", (r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory|Free memory on device .* is "
+                       r"less than desired GPU memory utilization|Not enough memory|insufficient memory")),
+    ("kv-cache-too-small", (r"KV cache is needed, which is larger than the available KV cache memory|larger than the "
+                            r"maximum number of tokens that can be stored in KV cache|No available memory for the "
+                            r"cache blocks")),
+    ("nccl", r"NCCL error|nccl\w*Error\b|ncclInternalError|ncclSystemError"),
+    ("cuda-graph-capture", (r"cudaErrorStreamCapture|CUDA_ERROR_STREAM_CAPTURE|when stream is capturing|due to a "
+                            r"previous error during capture|CUDAGraphMode\.\w+ is not supported|capture cuda graph "
+                            r"failed|CUDA graph capture failed")),
+    # vLLM's compiled ops do not load: a wheel built against another torch or CUDA, or a partial install.
+    ("broken-install", (r"'_OpNamespace' '\w+' object has no attribute|undefined symbol: |"
+                        r"No module named '(?:vllm\.)?_\w*C'|cannot open shared object file")),
+    ("cuda-kernel-error", (r"illegal memory access|no kernel image is available|AcceleratorError|\bCUDA error\b|"
+                           r"\bcudaError\w+|CUDA_ERROR_\w+|misaligned address|device-side assert(?:ion)? triggered|"
+                           r"illegal instruction|unspecified launch failure")),
+    # FlashInfer JIT-builds kernels on first use; with no nvcc, or one too old for the GPU, the build or
+    # its architecture check fails ("requires GPUs with sm75 or higher" on an sm_120 with CUDA < 12.9).
+    ("compile-failed", (r"CompilationError|InductorError|BackendCompilerFailed|torch\._inductor\.exc|"
+                        r"Ninja build failed|ninja: build stopped|nvcc fatal|/bin/nvcc |Error building extension|"
+                        r"flashinfer\.jit.*(?:fail|error)|FlashInfer requires (?:GPUs with )?sm\d+|"
+                        r"No supported CUDA architectures found|triton\.runtime\.errors")),
+    ("unsupported-model", (r"Model architectures? .* (?:are|is) not supported|does not recognize this architecture|"
+                           r"Error in inspecting model architecture|failed to be inspected|"
+                           r"No \w+ (?:MoE )?backend supports|not supported for now|Unsupported CPU attention|"
+                           r"does not support \w+ quantization|No compressed-tensors compatible scheme|"
+                           r"(?:Error|Exception): .*\b(?:not supported|unsupported)\b")),
+    # A pydantic check of vLLM's config that none of the above names is still the command's fault.
+    ("invalid-argument", r"ValidationError"),
+]
+CAUSES = [(cause, re.compile(pattern, re.IGNORECASE)) for cause, pattern in FAILURE_CAUSES]
+
+# When no line names the cause: what the engine logged last before dying.
+NEGATIVE_KV = re.compile(r"Available KV cache memory: -[\d.]+ ?GiB")
+# A quoted log often stops inside the traceback, before the exception's own line; the frames it went
+# through still say which step failed. In this order: graph capture, a kernel build (Inductor's code
+# generation, FlashInfer's JIT, torch's ninja build), a quantization scheme's GPU check, the set-up of
+# the tensor-parallel group's communicators (NCCL).
+FRAMES = [
+    ("cuda-graph-capture", re.compile(r", in (?:capture_model|_capture_cudagraphs|capture|capture_begin|capture_end)"
+                                      r"\s*$")),
+    ("compile-failed", re.compile(r"torch/_inductor/(?:compile_fx|graph|scheduler|codecache|async_compile)\.py\", "
+                                  r"line \d+|flashinfer/jit/|\.build_and_load\(\)|\b_?run_ninja(?:_build)?\b|"
+                                  r", in _jit_compile\b")),
+    ("gpu-capability", re.compile(r"_check_scheme_supported|get_min_capability\(\)")),
+    ("nccl", re.compile(r"PyNcclCommunicator\(|pynccl\w*\.py\"|ncclCommInitRank|, in init_model_parallel_group\b|"
+                        r"return GroupCoordinator\(")),
+]
+ENGINE_FAILED = re.compile(r"EngineCore failed to start|Engine core initialization failed|WorkerProc initialization "
+                           r"failed|WorkerProc failed to start|Worker proc \S+ died unexpectedly|WorkerProc hit an "
+                           r"exception|EngineCore hit an exception|Engine process failed to start", re.IGNORECASE)
+
+
+# What to try next, per cause: the deploy's operator reads this in the failure, before the log tail.
+def _number(pattern: str, log: str) -> str | None:
+    found = re.findall(pattern, log, re.IGNORECASE)
+    return found[-1] if found else None
+
+
+def _kv_cache_step(log: str) -> str:
+    needed = _number(r"\(([\d.]+ ?[KMG]iB) KV cache is needed", log)
+    available = _number(r"available KV cache memory \((-?[\d.]+ ?[KMG]iB)\)", log)
+    fits = _number(r"estimated maximum model length is (\d+)", log)
+    if needed and available:
+        step = f"one request of max_model_len needs {needed} of KV cache, {available} is available: "
+        step += (f"lower --max-model-len to {fits} or less" if fits else "lower --max-model-len")
+        return step + ", or raise --gpu-memory-utilization (or add GPUs with tensor parallelism)"
+    seq_len = _number(r"max seq len \((\d+)\) is larger than the maximum number of tokens", log)
+    tokens = _number(r"tokens that can be stored in KV cache \((\d+)\)", log)
+    if seq_len and tokens:
+        return (f"max_model_len is {seq_len} tokens but the KV cache holds {tokens}: lower --max-model-len to "
+                f"{tokens} or less, or raise --gpu-memory-utilization")
+    negative = _number(r"Available KV cache memory: (-[\d.]+ ?GiB)", log)
+    if negative:
+        return (f"the weights and activations left {negative} for the KV cache: raise --gpu-memory-utilization, "
+                "spread the model over more GPUs (tensor parallelism), or serve a smaller quantization; "
+                "lowering --max-model-len alone will not help")
+    return "the KV cache does not fit: lower --max-model-len or raise --gpu-memory-utilization"
+
+
+def _memory_step(log: str) -> str:
+    free = re.findall(r"Free memory on device[^(]*\(([\d.]+)/([\d.]+) GiB\) on startup is less than desired GPU "
+                      r"memory utilization \(([\d.]+)", log)
+    if free:
+        avail, total, asked = (float(x) for x in free[-1])
+        fits = int(avail / total * 100) / 100
+        return (f"another process holds this GPU's memory: {avail:g} of {total:g} GiB free, "
+                f"--gpu-memory-utilization {asked:g} asks for more: stop the other process or lower "
+                f"--gpu-memory-utilization to {fits:.2f} or less")
+    tried = _number(r"Tried to allocate ([\d.]+ ?[KMG]iB)", log)
+    left = re.findall(r"total capacity of ([\d.]+ ?[KMG]iB) of which ([\d.]+ ?[KMG]iB) is free", log)
+    where = f" (tried to allocate {tried} with {left[-1][1]} of {left[-1][0]} free)" if tried and left else ""
+    return (f"the GPU ran out of memory{where}: lower --gpu-memory-utilization, --max-num-seqs or "
+            "--max-num-batched-tokens, or raise --tensor-parallel-size; if it happened while loading weights "
+            "the model does not fit these GPUs")
+
+
+def _argument_step(log: str) -> str:
+    bad = _number(r"unrecognized arguments: (.+)", log)
+    what = f" ({bad.strip()})" if bad else ""
+    return (f"vLLM refused the command line{what}: check each flag against this version's `vllm serve --help`, "
+            "flags are renamed and removed between versions")
+
+
+def _max_len_step(log: str) -> str:
+    asked = _number(r"max_model_len \((\d+)\) is greater than the derived", log)
+    derived = _number(r"derived max_model_len \((?:[\w.]+=)?(\d+)", log)
+    if asked and derived:
+        return (f"--max-model-len {asked} is more than the model's config allows ({derived}): lower it to "
+                f"{derived}, or give the model a rope scaling that supports more")
+    return "--max-model-len is more than the model's config allows: lower it to the model's context length"
+
+
+def _kernel_step(log: str) -> str:
+    if re.search(r"no kernel image is available", log, re.IGNORECASE):
+        return ("this vLLM/PyTorch build has no kernels for this GPU's compute capability: install a build made "
+                "for it (for SM120/Blackwell, a CUDA 12.8+ build)")
+    return ("a CUDA kernel failed on this GPU: try another kernel path for the failing layer (another MoE or "
+            "attention backend, --kv-cache-dtype auto instead of fp8, --disable-custom-all-reduce) and "
+            "--enforce-eager to rule out CUDA graphs; CUDA_LAUNCH_BLOCKING=1 shows the kernel that failed")
+
+
+def _capability(number: str) -> str:
+    """vLLM writes a capability as "80" in quantization checks and "8.0" elsewhere."""
+    return number if "." in number else f"{number[:-1]}.{number[-1]}"
+
+
+def _gpu_step(log: str) -> str:
+    """What the GPU lacks, with the capabilities the log gives: a dtype has a flag that avoids it, a
+    quantization needs another checkpoint (or another GPU)."""
+    if m := re.search(r"Bfloat16 is only supported on GPUs with compute capability of at least (\d+(?:\.\d+)?)\. "
+                      r"Your (.+?) GPU has compute capability (\d+(?:\.\d+)?)", log):
+        return (f"bfloat16 needs compute capability {m[1]}, this {m[2]} has {m[3]}: start with --dtype half "
+                "(float16), or use a newer GPU")
+    needs = re.search(r"Min(?:imum)? capability: (\d+)\W+Current capability: (\d+)", log)
+    method = _number(r"quantization method (\w+) is not supported for the current GPU", log)
+    if needs:
+        what = f"the {method} quantization" if method else "this checkpoint's quantization scheme"
+        return (f"{what} needs compute capability {_capability(needs[1])}, this GPU has {_capability(needs[2])}: "
+                "serve a checkpoint quantized in a scheme this GPU supports (vLLM's supported-hardware table for "
+                "quantization), or move to a GPU that has the capability")
+    if re.search(r"fp8e4nv not supported in this architecture", log, re.IGNORECASE):
+        return ("this GPU has no FP8 (e4m3) support, which a kernel of this FP8 checkpoint needs (compute "
+                "capability 8.9+): serve a BF16 or INT4/INT8 (AWQ, GPTQ) checkpoint, or a vLLM version whose "
+                "Marlin FP8 fallback covers this layer")
+    if re.search(r"compressed_tensors|_check_scheme_supported", log):
+        return ("this checkpoint's compressed-tensors scheme needs a higher compute capability than this GPU has: "
+                "serve a checkpoint in a scheme this GPU supports (vLLM's supported-hardware table for "
+                "quantization), or move to a newer GPU")
+    return ("this GPU's compute capability is below what the checkpoint's quantization, dtype or kernel needs: "
+            "serve a checkpoint this GPU supports (another quantization, --dtype half), or use a newer GPU")
+
+
+def _compile_step(log: str) -> str:
+    if re.search(r"flashinfer", log, re.IGNORECASE):
+        return ("FlashInfer's JIT could not build a kernel: install a CUDA toolkit (nvcc) that knows this GPU and "
+                "matches the wheel's CUDA (an sm_120 needs 12.9+), or FlashInfer's prebuilt kernels "
+                "(flashinfer-cubin, flashinfer-jit-cache); clear ~/.cache/flashinfer; or avoid the FlashInfer "
+                "path (VLLM_USE_FLASHINFER_SAMPLER=0, another --attention-backend, --kv-cache-dtype auto)")
+    return ("compiling kernels failed (torch.compile, Triton or FlashInfer's JIT): clear "
+            "~/.cache/vllm/torch_compile_cache and ~/.cache/flashinfer, check that nvcc matches the CUDA "
+            "of the wheel, or start with --enforce-eager (-O0) to skip compilation")
+
+
+NEXT_STEPS: dict[str, str | Callable[[str], str]] = {
+    "port-in-use": "another process listens on the port (often a vLLM that was not stopped): stop it or choose "
+                   "another --port",
+    "invalid-argument": _argument_step,
+    "max-model-len-too-long": _max_len_step,
+    "model-config": "the model's config.json could not be read or names no architecture: check that the checkpoint "
+                    "directory holds the model's own config.json, valid JSON with `architectures` and `model_type` "
+                    "(an interrupted download, an adapter-only or tokenizer-only repo has none), or point "
+                    "--hf-config-path at one",
+    "gpu-capability": _gpu_step,
+    "out-of-memory": _memory_step,
+    "kv-cache-too-small": _kv_cache_step,
+    "nccl": "NCCL failed between the ranks: rerun with NCCL_DEBUG=INFO, check the GPUs' peer access and the "
+            "shared memory (--ipc=host, --shm-size), try NCCL_P2P_DISABLE=1, or lower --tensor-parallel-size "
+            "to find the bad link",
+    "cuda-graph-capture": "CUDA graph capture failed: start with --compilation-config "
+                          "'{\"cudagraph_mode\": \"PIECEWISE\"}', or --enforce-eager to start without CUDA graphs",
+    "broken-install": "vLLM's compiled kernels do not load here: the vLLM wheel was built for another torch or CUDA, "
+                      "or the install is partial; reinstall vLLM in a fresh environment with the torch it pins, "
+                      "and do not upgrade torch over it",
+    "cuda-kernel-error": _kernel_step,
+    "compile-failed": _compile_step,
+    "unsupported-model": "this vLLM cannot serve this model or its quantization on this GPU: check the architecture "
+                         "and quantization_config against vLLM's supported models, upgrade vLLM, or choose a "
+                         "checkpoint with a kernel for this GPU",
+    "engine-failed": "the engine died of an error no rule here names: the line above is its last exception where "
+                     "it printed one; read the engine's and workers' lines above \"EngineCore failed to start\", "
+                     "or rerun with VLLM_LOGGING_LEVEL=DEBUG",
+    "group-incomplete": "not every rank joined the group: read the secondary nodes' logs, and check that they reach "
+                        "the leader's --master-addr and ports and run the same vLLM",
+    "startup-timeout": "vLLM was still starting: read how far the log got; a large MoE model can take 10-15 "
+                       "minutes to load, raise the start timeout if it was still making progress",
+}
+
+
+def next_step(cause: str, log: str = "") -> str:
+    """One line saying what to change before the next try, with the numbers the log gives."""
+    step = NEXT_STEPS.get(cause)
+    if step is None:
+        return "vLLM exited: read its last error line and the log tail"
+    return step(log) if callable(step) else step
