@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from filelock import FileLock
-from huggingface_hub import HfApi, constants, hf_hub_url, try_to_load_from_cache
+from huggingface_hub import constants, hf_hub_url, try_to_load_from_cache
 from huggingface_hub.errors import (
     EntryNotFoundError,
     GatedRepoError,
@@ -42,9 +41,14 @@ from tasks.errors import (
     RolloutError,
     first_line,
 )
+from tasks.hub_wire import CHUNK, HashingFile, RepoFile, model_info, new_hasher, repo_file
+from tasks.trust import check_commit, check_filename, check_tree, env_secret, inside, shown
+
+# check_filename stays importable from here (the mirror, the tests); the rule is in tasks/trust.py
+__all__ = ["CHUNK", "RepoFile", "check_filename", "new_hasher"]
 
 PART_SUFFIX = ".part"  # bytes of a blob still coming in; never visible under snapshots/
-CHUNK = 8 * 1024 * 1024
+MIRROR_TOKEN_ENV = "ROLLOUT_MIRROR_TOKEN"  # the fleet's shared mirror token; never the HF token
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 
@@ -78,19 +82,6 @@ def reaching(endpoint: str | None) -> Iterator[None]:
 
 
 @dataclass(frozen=True)
-class RepoFile:
-    path: str
-    size: int
-    sha256: str | None  # LFS files carry the sha256 of their content
-    blob_id: str | None  # git blob sha1, for files stored in git itself
-
-    @property
-    def etag(self) -> str:
-        """The name of its blob in the HF cache, as huggingface_hub names it."""
-        return self.sha256 or self.blob_id or ""
-
-
-@dataclass(frozen=True)
 class RepoSnapshot:
     repo_id: str
     revision: str
@@ -117,14 +108,6 @@ class FetchResult:
         return self.downloaded / 1e6 / self.seconds if self.downloaded and self.seconds > 0 else 0.0
 
 
-def check_filename(path: str) -> str:
-    """Reject names that would write outside the snapshot directory."""
-    pure = PurePosixPath(path)
-    if not path or pure.is_absolute() or ".." in pure.parts or "\\" in path or path.startswith("~"):
-        raise HubError(f"hub file name {path!r} is unsafe: it would land outside the model directory")
-    return path
-
-
 def _access_error(exc: HfHubHTTPError, what: str) -> HubError | None:
     status = exc.response.status_code if exc.response is not None else None
     if isinstance(exc, GatedRepoError):
@@ -136,32 +119,30 @@ def _access_error(exc: HfHubHTTPError, what: str) -> HubError | None:
 
 
 def resolve_snapshot(repo_id: str, revision: str, endpoint: str | None = None) -> RepoSnapshot:
-    """One model_info call: the commit sha and every file's size and hash at that commit."""
-    api = HfApi(endpoint=endpoint)
+    """One model_info call: the commit sha and every file's size and hash at that commit, each
+    checked before it names a folder, a path or a blob (tasks/trust.py)."""
+    url = (endpoint or constants.ENDPOINT).rstrip("/")
     try:
         with reaching(endpoint):  # huggingface_hub sets no deadline of its own: a silent hub would hang
-            info = api.model_info(repo_id, revision=revision, files_metadata=True,
-                                  timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT)
+            info = model_info(repo_id, revision, url)
     except RevisionNotFoundError as exc:
         raise HubError(f"revision {revision!r} not found in repo {repo_id}") from exc
     except HfHubHTTPError as exc:
         if denied := _access_error(exc, f"repo {repo_id}"):
             raise denied from exc
         if isinstance(exc, RepositoryNotFoundError):
-            raise HubError(f"repo {repo_id} not found on {api.endpoint} (private repos need HF_TOKEN)") from exc
+            raise HubError(f"repo {repo_id} not found on {url} (private repos need HF_TOKEN)") from exc
         raise
-    if not info.sha:
+    where = f"the hub at {url}, for {repo_id}@{revision}"
+    if not info.get("sha"):
         raise HubError(f"hub returned no commit sha for {repo_id}@{revision}")
-    files = tuple(
-        RepoFile(
-            path=check_filename(s.rfilename),
-            size=s.lfs.size if s.lfs else (s.size or 0),
-            sha256=s.lfs.sha256 if s.lfs else None,
-            blob_id=s.blob_id,
-        )
-        for s in info.siblings or []
-    )
-    return RepoSnapshot(repo_id=repo_id, revision=revision, commit=info.sha, files=files)
+    commit = check_commit(info["sha"], where=f"the hub at {url}")
+    siblings = info.get("siblings") or []
+    if not isinstance(siblings, list):
+        raise HubError(f"{where}: siblings is not a list")
+    files = tuple(repo_file(s, where) for s in siblings)
+    check_tree([f.path for f in files], where=where)
+    return RepoSnapshot(repo_id=repo_id, revision=revision, commit=commit, files=files)
 
 
 def repo_dir(repo_id: str, cache_dir: Path) -> Path:
@@ -196,73 +177,45 @@ def missing_bytes(snapshot: RepoSnapshot, cache_dir: Path) -> int:
                if cached_path(snapshot, f, cache_dir) is None)
 
 
-def _new_hasher(file: RepoFile):
-    if file.sha256:
-        return hashlib.sha256()
-    return hashlib.sha1(f"blob {file.size}\0".encode())  # git's blob id, for files kept in git
-
-
-class _HashingFile:
-    """The partial file the stream writes into: each chunk is hashed and counted as it lands."""
-
-    def __init__(self, fh, file: RepoFile, on_bytes: Callable[[int], None]):
-        self._fh = fh
-        self._file = file
-        self._on_bytes = on_bytes
-        self.hasher = _new_hasher(file)
-        fh.seek(0)
-        while chunk := fh.read(CHUNK):  # what an earlier try left: read once, then only new bytes
-            self.hasher.update(chunk)
-        self.resumed_from = fh.tell()
-
-    def write(self, data: bytes) -> int:
-        self._fh.write(data)
-        self.hasher.update(data)
-        self._on_bytes(len(data))
-        return len(data)
-
-    def tell(self) -> int:
-        return self._fh.tell()
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        return self._fh.seek(offset, whence)
-
-    def truncate(self, size: int | None = None) -> int:
-        """The download starts over when a server ignores the Range header; so does the hash."""
-        size = self._fh.truncate(size)
-        self.resumed_from = min(self.resumed_from, size)
-        self.hasher = _new_hasher(self._file)
-        self._fh.seek(0)
-        while (done := self._fh.tell()) < size and (chunk := self._fh.read(min(CHUNK, size - done))):
-            self.hasher.update(chunk)
-        return size
-
-
 def _link(snapshot: RepoSnapshot, file: RepoFile, blob: Path, cache_dir: Path) -> Path:
-    """Snapshot entry -> blob, relative like huggingface_hub's, so the cache can move as a whole."""
-    pointer = snapshot_dir(snapshot, cache_dir) / file.path
+    """Snapshot entry -> blob, relative like huggingface_hub's, so the cache can move as a whole.
+    Its folder is made only once it resolves inside the snapshot folder, and a link that could not
+    take its place is removed: nothing is left outside the models root, nor beside the entry."""
+    snap = snapshot_dir(snapshot, cache_dir)
+    pointer = snap / check_filename(file.path)
+    inside(snap, pointer.parent, what=f"{file.path}: its folder")
     pointer.parent.mkdir(parents=True, exist_ok=True)
+    inside(snap, pointer.parent, what=f"{file.path}: its folder")  # no symlinked folder on the way
     target = os.path.relpath(blob, pointer.parent)
     if pointer.is_symlink() and os.readlink(pointer) == target:
         return pointer
     tmp = pointer.with_name(pointer.name + ".link")
     tmp.unlink(missing_ok=True)
-    os.symlink(target, tmp)
-    os.replace(tmp, pointer)
+    try:
+        os.symlink(target, tmp)
+        os.replace(tmp, pointer)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise HubError(f"{shown(file.path)}: cannot link it into {snap} ({exc.strerror})") from exc
     return pointer
 
 
-def _stream(url: str, sink: _HashingFile, file: RepoFile) -> None:
-    """One GET of the rest of the file into sink, from the bytes already on disk.
+def _stream(url: str, sink: HashingFile, file: RepoFile, *, token: bool = True) -> None:
+    """One GET of the rest of the file into sink, from the bytes already on disk, and never a byte
+    past the size the hub published: a body that runs on is cut there, not written to the disk.
 
     A reset, a short body, a 5xx or a 429 ends this try with a transient error; the fetch task's
     retries (tasks/orchestration/steps.py) are the only retry budget, and each try resumes here. A 429's
     Retry-After is waited out first, so the next try comes no sooner than the hub asked.
     Chunks are written as the socket yields them: http_get re-buffers every 10 MiB (a copy per
     byte, and up to 10 MiB lost on a reset), which the hash cannot afford on 2 cores.
+    The HF token goes only with `token` (the hub's own requests; a mirror gets the fleet's mirror
+    token instead), and huggingface_hub's client drops it on a redirect to another origin.
     """
     start = sink.tell()
-    headers = build_hf_headers() | ({"Range": f"bytes={start}-"} if start else {})
+    auth = build_hf_headers() if token else build_hf_headers(token=False) | _mirror_auth()
+    headers = auth | ({"Range": f"bytes={start}-"} if start else {})
+    source = url.split("/", 3)[2] if "://" in url else url
     with get_session().stream("GET", url, headers=headers, follow_redirects=True,
                               timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT) as response:
         if response.status_code == 429:
@@ -270,11 +223,26 @@ def _stream(url: str, sink: _HashingFile, file: RepoFile) -> None:
         hf_raise_for_status(response)
         if start and response.status_code == 200:  # the server ignored the range: start over
             sink.truncate(0)
+        declared = response.headers.get("Content-Length", "")
+        if declared.isdigit() and not response.headers.get("Content-Encoding") and \
+                sink.tell() + int(declared) > file.size:
+            raise ChecksumError(f"{file.path}: {source} announced {int(declared):,} bytes from byte {sink.tell():,}, "
+                                f"past the {file.size:,} the hub published; not read")
         for chunk in response.iter_bytes():
+            if sink.tell() + len(chunk) > file.size:
+                raise ChecksumError(f"{file.path}: {source} sent more than the {file.size:,} bytes the hub "
+                                    "published; stopped reading there, deleted")
             sink.write(chunk)
     if sink.tell() < file.size:
         raise IncompleteDownload(f"{file.path}: stream ended at {sink.tell():,} of {file.size:,} bytes; "
                                  "the next try resumes there")
+
+
+def _mirror_auth() -> dict[str, str]:
+    """The fleet's shared mirror token (ROLLOUT_MIRROR_TOKEN), where one is set: what a mirror that
+    listens beyond loopback asks of its clients (tasks/mirror.py)."""
+    token = env_secret(MIRROR_TOKEN_ENV)
+    return {"authorization": f"Bearer {token}"} if token else {}
 
 
 def _retry_after_s(value: str | None, cap_s: float = 60.0) -> float:
@@ -309,7 +277,7 @@ def fetch_file(snapshot: RepoSnapshot, file: RepoFile, cache_dir: Path, *, endpo
                                source="cache")
         if mirror:
             try:
-                resumed = _download(snapshot, file, part, endpoint=mirror, on_bytes=on_bytes)
+                resumed = _download(snapshot, file, part, endpoint=mirror, on_bytes=on_bytes, token=False)
                 source = "mirror"
             except DiskSpaceError:
                 raise
@@ -326,16 +294,20 @@ def fetch_file(snapshot: RepoSnapshot, file: RepoFile, cache_dir: Path, *, endpo
 
 
 def _download(snapshot: RepoSnapshot, file: RepoFile, part: Path, *, endpoint: str | None,
-              on_bytes: Callable[[int], None]) -> int:
-    """The rest of the file from `endpoint` into `part`, verified; returns the bytes it resumed from."""
+              on_bytes: Callable[[int], None], token: bool = True) -> int:
+    """The rest of the file from `endpoint` into `part`, verified; returns the bytes it resumed from.
+    `token`: whether the HF token may go there (the hub: yes; a mirror: never)."""
     url = hf_hub_url(snapshot.repo_id, file.path, revision=snapshot.commit, endpoint=endpoint)
     with part.open("ab+") as fh:
         if fh.seek(0, os.SEEK_END) > file.size:
             fh.truncate(0)
-        sink = _HashingFile(fh, file, on_bytes)
+        sink = HashingFile(fh, file, on_bytes)
         try:
             with reaching(endpoint):
-                _stream(url, sink, file)
+                _stream(url, sink, file, token=token)
+        except ChecksumError:
+            part.unlink(missing_ok=True)  # more than was published: none of it can be vouched for
+            raise
         except HfHubHTTPError as exc:
             permanent = _access_error(exc, f"{snapshot.repo_id}: {file.path}") or (
                 HubError(f"{snapshot.repo_id}@{snapshot.commit[:12]}: {file.path} not found")
@@ -367,7 +339,8 @@ def record_revision(snapshot: RepoSnapshot, cache_dir: Path) -> None:
     the nightly check then know which commit "main" was."""
     if snapshot.revision == snapshot.commit:
         return
-    ref = repo_dir(snapshot.repo_id, cache_dir) / "refs" / snapshot.revision
+    refs = repo_dir(snapshot.repo_id, cache_dir) / "refs"
+    ref = inside(refs, refs / snapshot.revision, what=f"revision {snapshot.revision!r}: its ref")
     ref.parent.mkdir(parents=True, exist_ok=True)
     ref.write_text(snapshot.commit)
 
