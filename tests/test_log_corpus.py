@@ -184,6 +184,21 @@ def test_next_step_for_a_kernel_build_a_config_and_an_install():
     assert "reinstall vLLM" in next_step("broken-install", fixture("broken-install-13074.log"))
 
 
+def test_next_step_for_a_flag_the_model_needs_or_cannot_take():
+    step = next_step("invalid-argument", fixture("invalid-argument-2652.log"))
+    assert "--tensor-parallel-size 8 does not divide the model's 52 attention heads" in step and "(1, 2, 4)" in step
+    assert "--trust-remote-code" in next_step("invalid-argument", fixture("invalid-argument-5244.log"))
+    step = next_step("cuda-kernel-error", fixture("cuda-kernel-error-461.log"))
+    assert "263168 bytes of shared memory, this GPU has 232448" in step
+
+
+def test_a_traceback_cut_before_its_exception_is_still_an_error():
+    log = '(EngineCore_0 pid=3966)   File "/x/vllm/v1/worker/gpu_worker.py", line 1, in load_model\n    foo()'
+    assert classify_failure(log) == ("exited", '(EngineCore_0 pid=3966)   File "/x/vllm/v1/worker/gpu_worker.py", '
+                                               'line 1, in load_model')
+    assert failure_cause(log) == "exited"
+
+
 def test_a_failed_start_carries_its_next_step_into_the_error_and_the_artifact(tmp_path, monkeypatch):
     from tasks.orchestration import artifacts
 

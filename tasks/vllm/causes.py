@@ -18,26 +18,37 @@ from collections.abc import Callable
 # Matching is case-insensitive: "Address already in use" and uvicorn's "address already in use".
 FAILURE_CAUSES = [
     ("port-in-use", r"address already in use|EADDRINUSE|\[Errno 98\]"),
+    # The command line itself, or a flag the model needs or cannot take: a tensor-parallel size that
+    # does not divide the model's heads, remote code the command did not trust.
     ("invalid-argument", (r"unrecognized arguments|error: argument|invalid choice|the following arguments are "
-                          r"required|provide the model as a positional argument")),
+                          r"required|provide the model as a positional argument|"
+                          r"(?:must be|is not|not) divisible by (?:the )?(?:tensor|pipeline|data|expert)[ _-]parallel|"
+                          r"set the option `?trust_remote_code=True|consider setting `?trust_remote_code=True|"
+                          r"requires you to execute the configuration file|contains custom code which must be "
+                          r"executed")),
     ("max-model-len-too-long", r"max_model_len \(\d+\) is greater than the derived"),
-    # The checkpoint's own config: missing, not JSON, or naming no architecture. vLLM raises these inside
-    # its pydantic ModelConfig check, so they come before the ValidationError catch-all at the end.
+    # The checkpoint's own files: a config missing, not JSON or naming no architecture, no weights where
+    # vLLM looks. vLLM raises some inside its pydantic ModelConfig check, so they come before the
+    # ValidationError catch-all at the end.
     ("model-config", (r"No model architectures are specified|Expecting value: line \d+ column \d+|JSONDecodeError|"
                       r"Error loading config|Invalid repository ID|Unrecognized model in|"
                       r"should have a `?model_type`? key|Can't load (?:the )?configuration|"
-                      r"config\.json\W*(?:not found|does not exist)")),
+                      r"config\.json\W*(?:not found|does not exist)|No supported config format found|"
+                      r"Could not detect config format|does not appear to have a file named|"
+                      r"Cannot find any model weights")),
     # The GPU is older than what the checkpoint's quantization, dtype or kernel needs; checked before the
     # generic "not supported" of unsupported-model and before a Triton CompilationError that only wraps it.
     ("gpu-capability", (r"not supported for the current GPU|(?:Min(?:imum)?|Current) capability: \d+|"
                         r"compute capability (?:of at least|below|>=?) ?\d|"
                         r"only supports? \w+ GPUs or newer|not supported in this architecture|"
-                        r"(?:not supported|unsupported) on (?:this|your|the current) GPU")),
-    ("out-of-memory", (r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory|Free memory on device .* is "
-                       r"less than desired GPU memory utilization|Not enough memory|insufficient memory")),
+                        r"(?:not supported|unsupported) on (?:this|your|the current) GPU|"
+                        r"compute capability not supported")),
+    ("out-of-memory", (r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory|Cuda failure 'out of memory'|"
+                       r"cudaErrorMemoryAllocation|Free memory on device .* is less than desired GPU memory "
+                       r"utilization|Not enough memory|insufficient memory")),
     ("kv-cache-too-small", (r"KV cache is needed, which is larger than the available KV cache memory|larger than the "
                             r"maximum number of tokens that can be stored in KV cache|No available memory for the "
-                            r"cache blocks")),
+                            r"cache blocks|To serve at least one request with the models?'s max seq len")),
     ("nccl", r"NCCL error|nccl\w*Error\b|ncclInternalError|ncclSystemError"),
     ("cuda-graph-capture", (r"cudaErrorStreamCapture|CUDA_ERROR_STREAM_CAPTURE|when stream is capturing|due to a "
                             r"previous error during capture|CUDAGraphMode\.\w+ is not supported|capture cuda graph "
@@ -47,7 +58,8 @@ FAILURE_CAUSES = [
                         r"No module named '(?:vllm\.)?_\w*C'|cannot open shared object file")),
     ("cuda-kernel-error", (r"illegal memory access|no kernel image is available|AcceleratorError|\bCUDA error\b|"
                            r"\bcudaError\w+|CUDA_ERROR_\w+|misaligned address|device-side assert(?:ion)? triggered|"
-                           r"illegal instruction|unspecified launch failure")),
+                           r"illegal instruction|unspecified launch failure|"
+                           r"out of resource: shared memory|OutOfResources")),
     # FlashInfer JIT-builds kernels on first use; with no nvcc, or one too old for the GPU, the build or
     # its architecture check fails ("requires GPUs with sm75 or higher" on an sm_120 with CUDA < 12.9).
     ("compile-failed", (r"CompilationError|InductorError|BackendCompilerFailed|torch\._inductor\.exc|"
@@ -58,7 +70,8 @@ FAILURE_CAUSES = [
                            r"Error in inspecting model architecture|failed to be inspected|"
                            r"No \w+ (?:MoE )?backend supports|not supported for now|Unsupported CPU attention|"
                            r"does not support \w+ quantization|No compressed-tensors compatible scheme|"
-                           r"(?:Error|Exception): .*\b(?:not supported|unsupported)\b")),
+                           r"(?:Error|Exception): .*(?:\b(?:not supported|unsupported|does not support)\b|"
+                           r"\bonly\b.* (?:are|is) supported)")),
     # A pydantic check of vLLM's config that none of the above names is still the command's fault.
     ("invalid-argument", r"ValidationError"),
 ]
@@ -73,16 +86,23 @@ NEGATIVE_KV = re.compile(r"Available KV cache memory: -[\d.]+ ?GiB")
 FRAMES = [
     ("cuda-graph-capture", re.compile(r", in (?:capture_model|_capture_cudagraphs|capture|capture_begin|capture_end)"
                                       r"\s*$")),
+    # vLLM's CUDA top-k/top-p sampler is FlashInfer's, which builds its module on first use, in the
+    # engine's dummy sampler run: a start that dies in it (with no other cause named) died building it.
     ("compile-failed", re.compile(r"torch/_inductor/(?:compile_fx|graph|scheduler|codecache|async_compile)\.py\", "
                                   r"line \d+|flashinfer/jit/|\.build_and_load\(\)|\b_?run_ninja(?:_build)?\b|"
-                                  r", in _jit_compile\b")),
+                                  r", in _jit_compile\b|\bflashinfer_sample\(|flashinfer/sampling\.py\"|"
+                                  r"\bget_sampling_module\b|self\.topk_topp_sampler\(|"
+                                  r"topk_topp_sampler\.py\", line \d+, in forward_cuda")),
     ("gpu-capability", re.compile(r"_check_scheme_supported|get_min_capability\(\)")),
     ("nccl", re.compile(r"PyNcclCommunicator\(|pynccl\w*\.py\"|ncclCommInitRank|, in init_model_parallel_group\b|"
-                        r"return GroupCoordinator\(")),
+                        r"return GroupCoordinator\(|, in init_worker_distributed_environment\b|"
+                        r", in ensure_model_parallel_initialized\b")),
 ]
 ENGINE_FAILED = re.compile(r"EngineCore failed to start|Engine core initialization failed|WorkerProc initialization "
                            r"failed|WorkerProc failed to start|Worker proc \S+ died unexpectedly|WorkerProc hit an "
                            r"exception|EngineCore hit an exception|Engine process failed to start", re.IGNORECASE)
+# A quote that holds only the engine's traceback, without the wrapper's line, shows the same death.
+ENGINE_FRAME = re.compile(r", in run_engine_core\b")
 
 
 # What to try next, per cause: the deploy's operator reads this in the failure, before the log tail.
@@ -130,6 +150,18 @@ def _memory_step(log: str) -> str:
 
 
 def _argument_step(log: str) -> str:
+    if m := re.search(r"Total number of attention heads \((\d+)\) must be divisible by tensor parallel size "
+                      r"\((\d+)\)", log):
+        heads, size = int(m[1]), int(m[2])
+        fits = [n for n in range(1, heads + 1) if heads % n == 0 and n <= max(size, 8)]
+        return (f"--tensor-parallel-size {size} does not divide the model's {heads} attention heads: use one that "
+                f"does ({', '.join(map(str, fits))}), and pipeline parallelism for the rest of the GPUs")
+    if re.search(r"divisible by (?:the )?(?:tensor|pipeline|data|expert)[ _-]parallel", log, re.IGNORECASE):
+        return ("a parallel size does not divide the model's heads or experts: choose a --tensor-parallel-size "
+                "(or expert/data-parallel size) that divides them")
+    if re.search(r"trust_remote_code=True|requires you to execute the configuration file", log):
+        return ("the model ships its own code: start with --trust-remote-code (after reading that code), or "
+                "serve a checkpoint whose architecture this vLLM has built in")
     bad = _number(r"unrecognized arguments: (.+)", log)
     what = f" ({bad.strip()})" if bad else ""
     return (f"vLLM refused the command line{what}: check each flag against this version's `vllm serve --help`, "
@@ -146,6 +178,9 @@ def _max_len_step(log: str) -> str:
 
 
 def _kernel_step(log: str) -> str:
+    if m := re.search(r"out of resource: shared memory, Required: (\d+), Hardware limit: (\d+)", log):
+        return (f"a Triton kernel's tile needs {m[1]} bytes of shared memory, this GPU has {m[2]}: use another MoE "
+                "or attention backend, or a kernel config tuned for this GPU (VLLM_TUNED_CONFIG_FOLDER)")
     if re.search(r"no kernel image is available", log, re.IGNORECASE):
         return ("this vLLM/PyTorch build has no kernels for this GPU's compute capability: install a build made "
                 "for it (for SM120/Blackwell, a CUDA 12.8+ build)")
@@ -186,7 +221,7 @@ def _gpu_step(log: str) -> str:
 
 
 def _compile_step(log: str) -> str:
-    if re.search(r"flashinfer", log, re.IGNORECASE):
+    if re.search(r"flashinfer|topk_topp_sampler", log, re.IGNORECASE):
         return ("FlashInfer's JIT could not build a kernel: install a CUDA toolkit (nvcc) that knows this GPU and "
                 "matches the wheel's CUDA (an sm_120 needs 12.9+), or FlashInfer's prebuilt kernels "
                 "(flashinfer-cubin, flashinfer-jit-cache); clear ~/.cache/flashinfer; or avoid the FlashInfer "
@@ -201,10 +236,10 @@ NEXT_STEPS: dict[str, str | Callable[[str], str]] = {
                    "another --port",
     "invalid-argument": _argument_step,
     "max-model-len-too-long": _max_len_step,
-    "model-config": "the model's config.json could not be read or names no architecture: check that the checkpoint "
-                    "directory holds the model's own config.json, valid JSON with `architectures` and `model_type` "
-                    "(an interrupted download, an adapter-only or tokenizer-only repo has none), or point "
-                    "--hf-config-path at one",
+    "model-config": "the model's files are not what vLLM needs: check that the checkpoint directory holds the "
+                    "model's own config.json, valid JSON with `architectures` and `model_type`, and its weights "
+                    "(an interrupted download, an adapter-only or tokenizer-only repo has neither), or point "
+                    "--hf-config-path at the config",
     "gpu-capability": _gpu_step,
     "out-of-memory": _memory_step,
     "kv-cache-too-small": _kv_cache_step,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.errors import ServerStartError
-from tasks.vllm.causes import CAUSES, ENGINE_FAILED, FRAMES, NEGATIVE_KV, next_step
+from tasks.vllm.causes import CAUSES, ENGINE_FAILED, ENGINE_FRAME, FRAMES, NEGATIVE_KV, next_step
 
 # next_step is read from here too: a failure's cause and its next step are one answer about one log.
 __all__ = ["classify_failure", "failure_cause", "log_tail", "next_step", "read_from", "server_facts",
@@ -37,6 +37,7 @@ QUIET = {"DEBUG", "INFO", "WARNING", "WARN"}
 # The engine's and the workers' process prefixes; the API server's is "(APIServer pid=1)".
 _ENGINE = re.compile(r"\((?:EngineCore\w*|Worker\w*|VllmWorker\w*(?: rank=\d+)?|RayWorker\w*|"
                      r"VllmWorkerProcess) pid=\d+")
+_FRAME = re.compile(r'(?:\([^)]*pid=\d+\)\s*)*File "[^"]+", line \d+, in ')
 _EXCEPTION = re.compile(r"(?:^|[\s\]>)])(?:[\w.]+\.)?[A-Z]\w*(?:Error|Exception|Exit)\b(?::|$)")
 
 @dataclass(frozen=True)
@@ -89,7 +90,8 @@ def classify_failure(log: str) -> tuple[str, str]:
     for cause, frame in FRAMES:
         if hits := [ln for ln in errors if frame.search(ln.text)]:
             return cause, _pick(hits)
-    if hits := [ln for ln in errors if ENGINE_FAILED.search(ln.text)]:
+    if hits := ([ln for ln in errors if ENGINE_FAILED.search(ln.text)]
+                or [ln for ln in errors if ENGINE_FRAME.search(ln.text)]):
         # The wrapper says that the engine died; the exception it printed before, where there is one,
         # says why ("RuntimeError: Invalid device string: 'cuda:cpu'" under "EngineCore failed to start").
         raised = [ln for ln in errors
@@ -99,6 +101,9 @@ def classify_failure(log: str) -> tuple[str, str]:
     shouted = [ln for ln in errors if ln.level in ("ERROR", "CRITICAL")]
     if exceptions or shouted:
         return "exited", _pick(exceptions or shouted)
+    # A traceback cut before its exception (a quoted log, a process killed mid-write) is still an error.
+    if frames := [ln for ln in errors if _FRAME.match(ln.text)]:
+        return "exited", frames[-1].text
     return "exited", NO_ERROR_LINE
 
 
