@@ -81,6 +81,7 @@ def validate(
     Exit 0 on pass, 1 on violations, 2 on unusable input.
     """
     from tasks.checkpoint.rules import validate_checkpoint, validate_remote
+    from tasks.trust import printable  # names from the checkpoint cannot forge a line of the report
 
     local = Path(target)
     try:
@@ -89,18 +90,19 @@ def validate(
         else:
             report = validate_remote(target, revision, endpoint)
     except UnusableInput as exc:  # an unreadable checkpoint, an unknown repo, a hub that does not answer
+        line = printable(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         if as_json:
-            typer.echo(json.dumps({"verdict": "error", "error": str(exc), "violations": []}))
-        typer.echo(f"error: {exc}", err=True)
+            typer.echo(json.dumps({"verdict": "error", "error": line, "violations": []}))
+        typer.echo(f"error: {line}", err=True)
         raise typer.Exit(2)
     if as_json:
         typer.echo(report.model_dump_json(indent=2))
     else:
         typer.echo(f"{report.verdict}: {report.source} (read {report.bytes_read:,} of {report.total_bytes:,} bytes)")
         for v in report.violations + report.warnings:
-            typer.echo(f"  {v.rule}: {v.module}: {v.message}")
+            typer.echo(printable(f"  {v.rule}: {v.module}: {v.message}"))
         for note in report.notes:
-            typer.echo(f"  note: {note}")
+            typer.echo(printable(f"  note: {note}"))
     raise typer.Exit(0 if report.verdict == "pass" else 1)
 
 

@@ -22,6 +22,11 @@ from tasks.errors import CheckpointError
 
 # safetensors' own reader refuses headers above 100 MB; Kimi-K2.5's largest is a few MB.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+# All of a checkpoint's headers together, per run: Kimi-K2.5's 64 come to ~50 MB. Each file's
+# length prefix is read first (8 bytes), and their sum is held to this before any header is read,
+# so four shards that claim 100 MB each cost 32 bytes, not 4 GB of parsed JSON.
+MAX_RUN_HEADER_BYTES = 256 * 1024 * 1024
+MAX_INT_VALUES_BYTES = 64  # a weight_shape is 2 values; a "weight_shape" of a billion is not read
 DTYPE_BYTES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
     "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
@@ -51,8 +56,8 @@ class FileHeader:
     tensors: dict[str, TensorMeta]
 
 
-def parse_header(file: str, file_size: int, read: Callable[[int, int], bytes]) -> FileHeader:
-    """Parse one header through read(offset, length), refusing anything out of bounds."""
+def header_length(file: str, file_size: int, read: Callable[[int, int], bytes]) -> int:
+    """The header's length from its 8-byte prefix, refused beyond the file or the per-file limit."""
     if file_size < 8:
         raise CheckpointError(f"{file}: {file_size} bytes is too short for a safetensors file")
     (length,) = struct.unpack("<Q", read(0, 8))
@@ -60,6 +65,25 @@ def parse_header(file: str, file_size: int, read: Callable[[int, int], bytes]) -
         raise CheckpointError(
             f"{file}: header claims {length} bytes but the file has {file_size} (limit {MAX_HEADER_BYTES})"
         )
+    return length
+
+
+def check_run_budget(lengths: dict[str, int], source: str, limit: int = MAX_RUN_HEADER_BYTES) -> None:
+    """The headers a run is about to read, together, within `limit`: refused before any is read."""
+    total = sum(lengths.values())
+    if total > limit:
+        largest = max(lengths, key=lengths.__getitem__)
+        raise CheckpointError(f"{source}: the headers of its {len(lengths)} safetensors files claim {total:,} bytes "
+                              f"in all, beyond the {limit:,} one validation reads (largest: {largest}, "
+                              f"{lengths[largest]:,})")
+
+
+def parse_header(file: str, file_size: int, read: Callable[[int, int], bytes], length: int | None = None
+                 ) -> FileHeader:
+    """Parse one header through read(offset, length), refusing anything out of bounds; `length`
+    where the prefix was read already (and counted against the run's budget)."""
+    if length is None:
+        length = header_length(file, file_size, read)
     try:
         raw = orjson.loads(read(8, length))  # ships with prefect; ~2x json's speed on 30 MB of headers
     except orjson.JSONDecodeError as exc:
@@ -117,14 +141,19 @@ def _tensor(file: str, name: str, entry: object, *, data_start: int, data_len: i
     return TensorMeta(dtype, tuple(shape), start=data_start + offsets[0], end=data_start + offsets[1], file=file)
 
 
-def read_local_header(path: Path) -> FileHeader:
+def read_local_header(path: Path, length: int | None = None) -> FileHeader:
     size = path.stat().st_size
     with path.open("rb") as fh:
         def read(offset: int, length: int) -> bytes:
             fh.seek(offset)
             return fh.read(length)
 
-        return parse_header(path.name, size, read)
+        return parse_header(path.name, size, read, length)
+
+
+def local_header_length(path: Path) -> int:
+    with path.open("rb") as fh:
+        return header_length(path.name, path.stat().st_size, lambda offset, n: fh.read(n))
 
 
 def read_int_values(path: Path, metas: list[TensorMeta]) -> dict[TensorMeta, tuple[int, ...]]:
@@ -133,6 +162,8 @@ def read_int_values(path: Path, metas: list[TensorMeta]) -> dict[TensorMeta, tup
     fd = os.open(path, os.O_RDONLY)
     try:
         for meta in sorted(metas, key=lambda m: m.start):
+            if meta.nbytes > MAX_INT_VALUES_BYTES:
+                continue  # not the 2-value tensor the rules compare; its layout check names it
             if (layout := _int_struct(meta.dtype, meta.shape)) is not None:
                 values[meta] = layout.unpack(os.pread(fd, meta.nbytes, meta.start))
     finally:
@@ -146,8 +177,17 @@ def _int_struct(dtype: str, shape: tuple[int, ...]) -> struct.Struct | None:
     return None if fmt is None else struct.Struct(f"<{math.prod(shape)}{fmt}")
 
 
-def read_remote_header(url: str, file: str, file_size: int, *, headers: dict[str, str]) -> FileHeader:
-    """Two range requests: the 8-byte length, then exactly the header."""
+def read_remote_header(url: str, file: str, file_size: int, *, headers: dict[str, str], length: int | None = None
+                       ) -> FileHeader:
+    """Two range requests: the 8-byte length (unless `length` was read already), then exactly the header."""
+    return parse_header(file, file_size, _remote_reader(url, file, headers), length)
+
+
+def remote_header_length(url: str, file: str, file_size: int, *, headers: dict[str, str]) -> int:
+    return header_length(file, file_size, _remote_reader(url, file, headers))
+
+
+def _remote_reader(url: str, file: str, headers: dict[str, str]) -> Callable[[int, int], bytes]:
     from huggingface_hub import constants
     from huggingface_hub.utils import get_session, hf_raise_for_status
 
@@ -169,4 +209,4 @@ def read_remote_header(url: str, file: str, file_size: int, *, headers: dict[str
             raise CheckpointError(f"{file}: asked the hub for {length} bytes at {offset}, got {len(body)}")
         return body
 
-    return parse_header(file, file_size, read)
+    return read

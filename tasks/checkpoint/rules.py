@@ -21,8 +21,14 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import BaseModel, Field
 
 from tasks.checkpoint.headers import TensorMeta
-from tasks.checkpoint.names import PART_TO_FUSED, IgnoreMatcher, engine_names, match_name
-from tasks.checkpoint.quant_config import CompressedTensorsConfig, ConfigGroup, QuantArgs, parse_quant_config
+from tasks.checkpoint.names import PART_TO_FUSED, IgnoreMatcher, PatternBudget, engine_names, match_name
+from tasks.checkpoint.quant_config import (
+    CompressedTensorsConfig,
+    ConfigGroup,
+    QuantArgs,
+    checked_text_config,
+    parse_quant_config,
+)
 from tasks.checkpoint.view import CheckpointView, local_view, remote_view
 from tasks.findings import Violation
 
@@ -90,9 +96,9 @@ def module_kind(module: Module, expert_parents: set[str]) -> str:
         return "embedding"
     if leaf == "gate" and parent in expert_parents:
         return "router"
-    if module.packed or len(module.params["weight"].shape) == 2:
+    if module.packed or ("weight" in module.params and len(module.params["weight"].shape) == 2):
         return "linear"
-    return "other"
+    return "other"  # a stray weight_scale or weight_shape without its weight is no module to check
 
 
 def _unscoped(name: str) -> bool:
@@ -199,8 +205,9 @@ def _summary(modules: dict[str, Module], kinds: dict[str, str]) -> list[dict]:
     counts: Counter[tuple[str, str, str]] = Counter()
     nbytes: Counter[tuple[str, str, str]] = Counter()
     for name, module in modules.items():
-        packed = module.params.get("weight_packed")
-        storage, dtype = ("packed", packed.dtype) if packed else ("unquantized", module.params["weight"].dtype)
+        packed, weight = module.params.get("weight_packed"), module.params.get("weight")
+        storage, dtype = ("packed", packed.dtype) if packed else ("unquantized", weight.dtype) if weight else (
+            "incomplete", next(iter(module.params.values())).dtype)
         key = (module_role(name, kinds[name]), storage, dtype)
         counts[key] += 1
         nbytes[key] += sum([t.end - t.start for t in module.params.values()])
@@ -223,7 +230,7 @@ def validate(view: CheckpointView) -> ValidationReport:
     bytes_read = view.bytes_read
 
     _check_weight_map(view, tensors, violations)
-    text_config = view.config.get("text_config") or view.config
+    text_config = checked_text_config(view.config, view.source)
     _check_config_agrees(text_config, modules, violations)
     raw = view.config.get("quantization_config") or text_config.get("quantization_config")
     quant_method = raw.get("quant_method") if isinstance(raw, dict) else None
@@ -261,12 +268,12 @@ def validate(view: CheckpointView) -> ValidationReport:
     )
 
 
-def _scheme_for(qc: CompressedTensorsConfig, name: str, kind: str) -> ConfigGroup | None:
+def _scheme_for(qc: CompressedTensorsConfig, name: str, kind: str, budget: PatternBudget) -> ConfigGroup | None:
     """The first config group targeting the module, by class ("Linear") or by name."""
     for group in qc.config_groups.values():
         if kind == "linear" and "Linear" in group.targets:
             return group
-        if any(match_name(name, t) for t in group.targets if t != "Linear"):
+        if any(match_name(name, t, budget) for t in group.targets if t != "Linear"):
             return group
     return None
 
@@ -290,7 +297,8 @@ def _check_compressed_tensors(
     first = list(accumulate(map(len, per_module), initial=0))  # index in `flat` of each module's first name
     flat = list(chain.from_iterable(per_module))
     module_hits: dict[int, set[str]] = defaultdict(set)
-    for j, entries in IgnoreMatcher(qc.ignore).hits(flat).items():
+    budget = PatternBudget()  # every pattern of this validation, ignore and targets, within one time bound
+    for j, entries in IgnoreMatcher(qc.ignore, budget).hits(flat).items():
         module_hits[bisect_right(first, j) - 1] |= entries
     for j in module_hits.values():
         used_ignores |= j
@@ -316,7 +324,7 @@ def _check_compressed_tensors(
                     rule="ignored-module-dtype", module=name,
                     message=f"ignored but stored as {params['weight'].dtype}, not bf16/fp16/fp32"))
             continue
-        group = _scheme_for(qc, name, kinds[name])
+        group = _scheme_for(qc, name, kinds[name], budget)
         if group is None:
             continue
         if packed:

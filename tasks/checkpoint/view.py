@@ -14,13 +14,25 @@ from typing import TYPE_CHECKING, Callable
 
 import orjson
 
-from tasks.checkpoint.headers import FileHeader, TensorMeta, read_int_values, read_local_header, read_remote_header
+from tasks.checkpoint.headers import (
+    FileHeader,
+    TensorMeta,
+    check_run_budget,
+    local_header_length,
+    read_int_values,
+    read_local_header,
+    read_remote_header,
+    remote_header_length,
+)
 from tasks.errors import CheckpointError
+from tasks.trust import TooLarge, read_bounded, read_file_bounded
 
 if TYPE_CHECKING:  # huggingface_hub costs 0.2 s of import that `rollout validate DIR` does without
     from tasks.hub import RepoSnapshot
 
 INDEX_FILE = "model.safetensors.index.json"
+# JSON read whole, so read to a bound: a config.json is kilobytes; Kimi-K2.5's index is 20 MB.
+MAX_JSON_BYTES = {"config.json": 16 * 1024 * 1024, INDEX_FILE: 256 * 1024 * 1024}
 ValueReader = Callable[[list[TensorMeta]], dict[TensorMeta, tuple[int, ...]]]
 
 
@@ -54,26 +66,36 @@ def _weight_map(index: dict, where: str) -> dict[str, str]:
     return weight_map
 
 
+def _local_json(path: Path) -> bytes:
+    try:
+        return read_file_bounded(path, limit=MAX_JSON_BYTES[path.name])
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{path}: missing") from exc
+    except TooLarge as exc:
+        raise CheckpointError(str(exc)) from exc
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read it ({exc.strerror})") from exc
+
+
 def local_view(model_dir: Path) -> CheckpointView:
     if not model_dir.is_dir():
         raise CheckpointError(f"{model_dir}: not a directory")
     config_path = model_dir / "config.json"
-    try:
-        config_bytes = config_path.read_bytes()
-    except FileNotFoundError as exc:
-        raise CheckpointError(f"{config_path}: missing") from exc
+    config_bytes = _local_json(config_path)
     config = _json(config_bytes, str(config_path))
     read = len(config_bytes)
     weight_map = None
     if (index_path := model_dir / INDEX_FILE).exists():
-        index_bytes = index_path.read_bytes()
+        index_bytes = _local_json(index_path)
         read += len(index_bytes)
         weight_map = _weight_map(_json(index_bytes, str(index_path)), str(index_path))
     stored = {p.name for p in model_dir.glob("*.safetensors")}
     named = set(weight_map.values()) if weight_map else set()
     if not stored:
         raise CheckpointError(f"{model_dir}: no *.safetensors files")
-    headers = [read_local_header(model_dir / name) for name in sorted(stored)]
+    lengths = {name: local_header_length(model_dir / name) for name in sorted(stored)}
+    check_run_budget(lengths, str(model_dir))
+    headers = [read_local_header(model_dir / name, lengths[name]) for name in sorted(stored)]
 
     def read_values(metas: list[TensorMeta]) -> dict[TensorMeta, tuple[int, ...]]:
         by_file: dict[str, list[TensorMeta]] = defaultdict(list)
@@ -104,12 +126,21 @@ def remote_view(snapshot: RepoSnapshot, endpoint: str | None = None) -> Checkpoi
         return hf_hub_url(repo_id, name, revision=snapshot.commit, endpoint=endpoint)
 
     def get(name: str) -> bytes:
+        """The file whole, to the smaller of its published size and its JSON bound."""
         if name not in sizes:
             raise CheckpointError(f"{source}: {name}: missing")
-        r = get_session().get(url(name), headers=http_headers, follow_redirects=True,
-                              timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT)
-        hf_raise_for_status(r)
-        return r.content
+        limit = MAX_JSON_BYTES[name]
+        if sizes[name] > limit:
+            raise CheckpointError(f"{source}: {name}: published as {sizes[name]:,} bytes, beyond the {limit:,} "
+                                  "read for it")
+        with get_session().stream("GET", url(name), headers=http_headers, follow_redirects=True,
+                                  timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT) as r:
+            hf_raise_for_status(r)
+            try:
+                return read_bounded(r.iter_bytes(), limit=sizes[name],
+                                    what=f"{source}: {name} (published as {sizes[name]:,} bytes)")
+            except TooLarge as exc:
+                raise CheckpointError(str(exc)) from exc
 
     with reaching(endpoint):
         config_bytes = get("config.json")
@@ -124,8 +155,12 @@ def remote_view(snapshot: RepoSnapshot, endpoint: str | None = None) -> Checkpoi
         if not stored:
             raise CheckpointError(f"{source}: no *.safetensors files")
         with ThreadPoolExecutor(max_workers=16) as pool:
-            headers = list(pool.map(lambda n: read_remote_header(url(n), n, sizes[n], headers=http_headers),
-                                    sorted(stored)))
+            names = sorted(stored)
+            lengths = dict(zip(names, pool.map(
+                lambda n: remote_header_length(url(n), n, sizes[n], headers=http_headers), names)))
+            check_run_budget(lengths, source)
+            headers = list(pool.map(
+                lambda n: read_remote_header(url(n), n, sizes[n], headers=http_headers, length=lengths[n]), names))
     named = set(weight_map.values()) if weight_map else set()
     return CheckpointView(
         source=source, config=config, headers=headers, weight_map=weight_map, stored_shards=stored,
