@@ -192,6 +192,16 @@ def test_next_step_for_a_flag_the_model_needs_or_cannot_take():
     assert "263168 bytes of shared memory, this GPU has 232448" in step
 
 
+def test_next_step_for_flags_that_contradict_each_other_or_the_checkpoint():
+    step = next_step("invalid-argument", fixture("invalid-argument-259.log"))
+    assert "--max-num-batched-tokens 8192 is below max_model_len 9216" in step
+    step = next_step("invalid-argument", fixture("invalid-argument-3331.log"))
+    assert "--quantization gptq contradicts the checkpoint's own marlin" in step
+    assert "lower --tensor-parallel-size" in next_step("unsupported-model", fixture("unsupported-model-9913.log"))
+    assert "CUDA_VISIBLE_DEVICES" in next_step("not-enough-gpus", fixture("not-enough-gpus-42.log"))
+    assert "loader regression" in next_step("weights-mismatch", fixture("weights-mismatch-25029.log"))
+
+
 def test_a_traceback_cut_before_its_exception_is_still_an_error():
     log = '(EngineCore_0 pid=3966)   File "/x/vllm/v1/worker/gpu_worker.py", line 1, in load_model\n    foo()'
     assert classify_failure(log) == ("exited", '(EngineCore_0 pid=3966)   File "/x/vllm/v1/worker/gpu_worker.py", '

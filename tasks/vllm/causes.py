@@ -25,7 +25,11 @@ FAILURE_CAUSES = [
                           r"(?:must be|is not|not) divisible by (?:the )?(?:tensor|pipeline|data|expert)[ _-]parallel|"
                           r"set the option `?trust_remote_code=True|consider setting `?trust_remote_code=True|"
                           r"requires you to execute the configuration file|contains custom code which must be "
-                          r"executed")),
+                          r"executed|max_num_batched_tokens \(\d+\) is smaller than max_model_len|"
+                          r"does not match the quantization method specified")),
+    # More GPUs asked for than this process can see (CUDA_VISIBLE_DEVICES, the container, Ray's placement).
+    ("not-enough-gpus", (r"number of required GPUs exceeds|must be less than or equal to the number of visible devices|"
+                         r"No CUDA GPUs are available|has no GPU available|does not allocate any GPUs")),
     ("max-model-len-too-long", r"max_model_len \(\d+\) is greater than the derived"),
     # The checkpoint's own files: a config missing, not JSON or naming no architecture, no weights where
     # vLLM looks. vLLM raises some inside its pydantic ModelConfig check, so they come before the
@@ -53,6 +57,10 @@ FAILURE_CAUSES = [
     ("cuda-graph-capture", (r"cudaErrorStreamCapture|CUDA_ERROR_STREAM_CAPTURE|when stream is capturing|due to a "
                             r"previous error during capture|CUDAGraphMode\.\w+ is not supported|capture cuda graph "
                             r"failed|CUDA graph capture failed")),
+    # A checkpoint tensor with no parameter of that name in vLLM's model (a loader regression, or a
+    # checkpoint converted or quantized in a layout this vLLM does not read).
+    ("weights-mismatch", (r"KeyError: '(?:model\.)?(?:language_model\.)?layers\.\d+\.|"
+                          r"no module or parameter named|param = params_dict\[name\]")),
     # vLLM's compiled ops do not load: a wheel built against another torch or CUDA, or a partial install.
     ("broken-install", (r"'_OpNamespace' '\w+' object has no attribute|undefined symbol: |"
                         r"No module named '(?:vllm\.)?_\w*C'|cannot open shared object file")),
@@ -65,9 +73,11 @@ FAILURE_CAUSES = [
     ("compile-failed", (r"CompilationError|InductorError|BackendCompilerFailed|torch\._inductor\.exc|"
                         r"Ninja build failed|ninja: build stopped|nvcc fatal|/bin/nvcc |Error building extension|"
                         r"flashinfer\.jit.*(?:fail|error)|FlashInfer requires (?:GPUs with )?sm\d+|"
-                        r"No supported CUDA architectures found|triton\.runtime\.errors")),
+                        r"No supported CUDA architectures found|triton\.runtime\.errors|"
+                        r"loc\(\"[^\"]+\":\d+:\d+\): error:")),
     ("unsupported-model", (r"Model architectures? .* (?:are|is) not supported|does not recognize this architecture|"
                            r"Error in inspecting model architecture|failed to be inspected|"
+                           r"not divisible by min_thread_[kn]|size_k must divisible by|"
                            r"No \w+ (?:MoE )?backend supports|not supported for now|Unsupported CPU attention|"
                            r"does not support \w+ quantization|No compressed-tensors compatible scheme|"
                            r"(?:Error|Exception): .*(?:\b(?:not supported|unsupported|does not support)\b|"
@@ -92,17 +102,22 @@ FRAMES = [
                                   r"line \d+|flashinfer/jit/|\.build_and_load\(\)|\b_?run_ninja(?:_build)?\b|"
                                   r", in _jit_compile\b|\bflashinfer_sample\(|flashinfer/sampling\.py\"|"
                                   r"\bget_sampling_module\b|self\.topk_topp_sampler\(|"
-                                  r"topk_topp_sampler\.py\", line \d+, in forward_cuda")),
+                                  r"topk_topp_sampler\.py\", line \d+, in forward_cuda|"
+                                  r"torch/_dynamo/(?:convert_frame|symbolic_convert|output_graph)\.py\", line \d+")),
     ("gpu-capability", re.compile(r"_check_scheme_supported|get_min_capability\(\)")),
     ("nccl", re.compile(r"PyNcclCommunicator\(|pynccl\w*\.py\"|ncclCommInitRank|, in init_model_parallel_group\b|"
                         r"return GroupCoordinator\(|, in init_worker_distributed_environment\b|"
-                        r", in ensure_model_parallel_initialized\b")),
+                        r", in ensure_model_parallel_initialized\b|custom_all_reduce\.py\", line \d+|"
+                        r"distributed_c10d\.py\", line \d+, in (?:all_reduce|all_gather\w*|broadcast\w*|barrier)\b")),
+    # A socket's bind: the address or port is taken (or not this host's).
+    ("port-in-use", re.compile(r"zmq/sugar/socket\.py\", line \d+, in bind\b|\w+socket\.bind\(")),
 ]
 ENGINE_FAILED = re.compile(r"EngineCore failed to start|Engine core initialization failed|WorkerProc initialization "
                            r"failed|WorkerProc failed to start|Worker proc \S+ died unexpectedly|WorkerProc hit an "
                            r"exception|EngineCore hit an exception|Engine process failed to start", re.IGNORECASE)
 # A quote that holds only the engine's traceback, without the wrapper's line, shows the same death.
-ENGINE_FRAME = re.compile(r", in run_engine_core\b")
+ENGINE_FRAME = re.compile(r", in run_engine_core\b|vllm/v1/engine/core\.py\", line \d+, in |"
+                          r"\(EngineCore\w* pid=\d+\) ERROR [\d-]+ [\d:]+ \[core\.py:\d+\]")
 
 
 # What to try next, per cause: the deploy's operator reads this in the failure, before the log tail.
@@ -159,6 +174,14 @@ def _argument_step(log: str) -> str:
     if re.search(r"divisible by (?:the )?(?:tensor|pipeline|data|expert)[ _-]parallel", log, re.IGNORECASE):
         return ("a parallel size does not divide the model's heads or experts: choose a --tensor-parallel-size "
                 "(or expert/data-parallel size) that divides them")
+    if m := re.search(r"max_num_batched_tokens \((\d+)\) is smaller than max_model_len \((\d+)\)", log):
+        return (f"--max-num-batched-tokens {m[1]} is below max_model_len {m[2]} with chunked prefill off: raise it to "
+                f"{m[2]}, enable chunked prefill, or lower --max-model-len")
+    if m := re.search(r"quantization method specified in the model config \((\w+)\) does not match the "
+                      r"quantization method specified in the `?quantization`? argument \((\w+)\)", log,
+                      re.IGNORECASE):
+        return (f"--quantization {m[2]} contradicts the checkpoint's own {m[1]}: drop --quantization (vLLM reads it "
+                "from the checkpoint) or give the one its config names")
     if re.search(r"trust_remote_code=True|requires you to execute the configuration file", log):
         return ("the model ships its own code: start with --trust-remote-code (after reading that code), or "
                 "serve a checkpoint whose architecture this vLLM has built in")
@@ -220,6 +243,15 @@ def _gpu_step(log: str) -> str:
             "serve a checkpoint this GPU supports (another quantization, --dtype half), or use a newer GPU")
 
 
+def _unsupported_step(log: str) -> str:
+    if re.search(r"not divisible by min_thread_[kn]", log):
+        return ("a layer's shape does not fit the Marlin kernel's tiles at this tensor-parallel size: lower "
+                "--tensor-parallel-size, or serve with the plain kernel its message names (--quantization awq/gptq)")
+    return ("this vLLM cannot serve this model or its quantization on this GPU: check the architecture and "
+            "quantization_config against vLLM's supported models, upgrade vLLM, or choose a checkpoint with a "
+            "kernel for this GPU")
+
+
 def _compile_step(log: str) -> str:
     if re.search(r"flashinfer|topk_topp_sampler", log, re.IGNORECASE):
         return ("FlashInfer's JIT could not build a kernel: install a CUDA toolkit (nvcc) that knows this GPU and "
@@ -244,18 +276,24 @@ NEXT_STEPS: dict[str, str | Callable[[str], str]] = {
     "out-of-memory": _memory_step,
     "kv-cache-too-small": _kv_cache_step,
     "nccl": "NCCL failed between the ranks: rerun with NCCL_DEBUG=INFO, check the GPUs' peer access and the "
-            "shared memory (--ipc=host, --shm-size), try NCCL_P2P_DISABLE=1, or lower --tensor-parallel-size "
-            "to find the bad link",
+            "shared memory (--ipc=host, --shm-size), try NCCL_P2P_DISABLE=1 or --disable-custom-all-reduce, or "
+            "lower --tensor-parallel-size to find the bad link",
     "cuda-graph-capture": "CUDA graph capture failed: start with --compilation-config "
                           "'{\"cudagraph_mode\": \"PIECEWISE\"}', or --enforce-eager to start without CUDA graphs",
+    "weights-mismatch": "the checkpoint's tensors do not match this vLLM's model for the architecture: a loader "
+                        "regression of this vLLM version (try the version the model card names, or a newer one), or a "
+                        "checkpoint converted or quantized in a layout vLLM does not read (check its quantization_config "
+                        "and the tool that made it); pipeline or expert parallelism change which names a rank loads: try "
+                        "without them to tell",
+    "not-enough-gpus": "vLLM was asked for more GPUs than this process can see: check CUDA_VISIBLE_DEVICES and the "
+                       "container's GPUs (nvidia-smi inside it), that --tensor-parallel-size x --pipeline-parallel-size "
+                       "fits them, and for Ray that every node joined the cluster with its GPUs",
     "broken-install": "vLLM's compiled kernels do not load here: the vLLM wheel was built for another torch or CUDA, "
                       "or the install is partial; reinstall vLLM in a fresh environment with the torch it pins, "
                       "and do not upgrade torch over it",
     "cuda-kernel-error": _kernel_step,
     "compile-failed": _compile_step,
-    "unsupported-model": "this vLLM cannot serve this model or its quantization on this GPU: check the architecture "
-                         "and quantization_config against vLLM's supported models, upgrade vLLM, or choose a "
-                         "checkpoint with a kernel for this GPU",
+    "unsupported-model": _unsupported_step,
     "engine-failed": "the engine died of an error no rule here names: the line above is its last exception where "
                      "it printed one; read the engine's and workers' lines above \"EngineCore failed to start\", "
                      "or rerun with VLLM_LOGGING_LEVEL=DEBUG",
