@@ -9,10 +9,16 @@ gets its name only once its hash matched and a snapshot entry only links such a 
 It serves `GET|HEAD /{org}/{name}/resolve/{commit}/{path}` for full commit shas (never a branch: the
 mirror has no say in which commit a host deploys), with byte ranges so a fetch resumes, and
 `/health`. Nothing outside a repo's `blobs/` is ever read, and no partial `.part` file is visible.
+
+Who may read it: the cache holds gated models fetched with this host's HF token, so a mirror that
+listens beyond loopback asks for the fleet's shared token (ROLLOUT_MIRROR_TOKEN, the same on every
+host: `Authorization: Bearer`), or serves anyone only when told so in as many words (`exposure`).
+The clients (tasks/hub.py) send that token to the mirror, and never the HF token.
 """
 
 from __future__ import annotations
 
+import hmac
 import re
 import threading
 from collections.abc import Callable
@@ -20,21 +26,42 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from tasks.errors import HubError
-from tasks.hub import check_filename, repo_dir
+from tasks.errors import HubError, UnusableInput
+from tasks.hub import MIRROR_TOKEN_ENV, check_filename, repo_dir
+from tasks.trust import loopback
 
 _RESOLVE = re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<commit>[0-9a-f]{40})/(?P<file>.+)$")
 CHUNK = 1 << 20
 
 
 def byte_span(range_header: str | None, size: int) -> tuple[int, int, int]:
-    """(first byte, last byte, status) of what a Range header asks for; 200 for the whole file."""
-    if range_header and (m := re.match(r"bytes=(\d*)-(\d*)$", range_header.strip())):
+    """(first byte, last byte, status) of what a Range header asks for; 200 for the whole file, and
+    (size, size - 1, 206) for a range that cannot be served (416): `bytes=-`, a last byte before
+    the first, numbers of thousands of digits."""
+    if range_header and (m := re.match(r"bytes=(\d{0,20})-(\d{0,20})$", range_header.strip())):
         if m[1]:
             start = int(m[1])
-            return start, min(int(m[2]), size - 1) if m[2] else size - 1, 206
-        return max(size - int(m[2]), 0), size - 1, 206  # suffix range: the last N bytes
+            end = min(int(m[2]), size - 1) if m[2] else size - 1
+            return (start, end, 206) if end >= start else (size, size - 1, 206)
+        if m[2]:
+            return max(size - int(m[2]), 0), size - 1, 206  # suffix range: the last N bytes
+        return size, size - 1, 206
     return 0, size - 1, 200
+
+
+def exposure(host: str, port: int, *, token: str | None, anonymous: bool) -> str:
+    """Who a mirror on host:port serves, in words, for its first line; refused where it would serve
+    gated files to anyone who can reach a non-loopback address without being told so."""
+    where = f"{host}:{port}"
+    if token:
+        return (f"to clients presenting the fleet's mirror token ({MIRROR_TOKEN_ENV}), "
+                + ("on this machine only (loopback)" if loopback(host) else f"from any host that reaches {where}"))
+    if loopback(host):
+        return "to this machine only (loopback), no token asked"
+    if not anonymous:
+        raise UnusableInput(f"--host {host}: a mirror beyond loopback serves gated files fetched with this host's HF "
+                            f"token; set {MIRROR_TOKEN_ENV} (the same on every host of the fleet) or pass --anonymous")
+    return f"to ANYONE who reaches {where}, no token asked (--anonymous): gated models included"
 
 
 class BackgroundServer:
@@ -73,10 +100,21 @@ class CacheMirror(BackgroundServer):
     """Serves the HF cache at `cache_dir` (models_root/hub) on host:port."""
 
     def __init__(self, cache_dir: Path, host: str = "127.0.0.1", port: int = 0,
-                 log: Callable[[str], None] = lambda line: None):
+                 log: Callable[[str], None] = lambda line: None, token: str | None = None):
         self.cache_dir = cache_dir
         self.log = log
+        self.token = token  # where set, every file request must present it
         super().__init__(host, port)
+
+    def served(self) -> list[str]:
+        """repo@commit of every snapshot in the cache, what a client may ask for."""
+        return sorted(f"{repo.name.removeprefix('models--').replace('--', '/')}@{snap.name[:12]}"
+                      for repo in self.cache_dir.glob("models--*") for snap in (repo / "snapshots").glob("*"))
+
+    def admits(self, authorization: str | None) -> bool:
+        if not self.token:
+            return True
+        return hmac.compare_digest((authorization or "").encode(), f"Bearer {self.token}".encode())
 
     @property
     def handler(self) -> type[MirrorHandler]:
@@ -125,6 +163,10 @@ class MirrorHandler(BaseHTTPRequestHandler):
         path = unquote(urlsplit(self.path).path)
         if path == "/health":
             self._status(200, "ok")
+            return
+        if not self.owner.admits(self.headers.get("Authorization")):
+            self._status(401, f"this mirror asks for the fleet's mirror token ({MIRROR_TOKEN_ENV})",
+                         {"X-Error-Code": "Unauthorized"})
             return
         m = _RESOLVE.match(path)
         blob = m and self.owner.locate(m["repo"], m["commit"], m["file"])

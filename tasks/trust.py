@@ -165,3 +165,17 @@ def loopback(host: str) -> bool:
 def env_secret(name: str) -> str | None:
     value = os.environ.get(name, "").strip()
     return value or None
+
+
+MAX_STATE_BYTES = 16 * 1024 * 1024  # server.json, last-good.json, swap.json: kilobytes as written
+
+
+def read_state_text(path: Path, limit: int = MAX_STATE_BYTES) -> str:
+    """A host state file's text, read to a bound: FileNotFoundError where it is absent, ValueError
+    (what its readers already take as "damaged") where it is larger than any record written or not
+    UTF-8."""
+    with path.open("rb") as fh:
+        data = fh.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{path}: more than {limit:,} bytes, larger than any record this host writes")
+    return data.decode()  # UnicodeDecodeError is a ValueError

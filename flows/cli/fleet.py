@@ -107,25 +107,40 @@ def fleet(
 def mirror(
     models_root: Annotated[Path, typer.Option(help="The host's models root; its HF cache is models_root/hub")
                            ] = Path("/models"),
-    host: Annotated[str, typer.Option(help="Address to listen on; 0.0.0.0 serves the other hosts")] = "127.0.0.1",
+    host: Annotated[str, typer.Option(help="Address to listen on; beyond loopback (0.0.0.0 serves the other "
+                                           "hosts) it asks for ROLLOUT_MIRROR_TOKEN")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on")] = 8090,
+    anonymous: Annotated[bool, typer.Option(help="Serve beyond loopback without a token: anyone who reaches the "
+                                                 "address reads every model in the cache, gated ones included")
+                         ] = False,
 ) -> None:
     """Serve this host's verified HF cache read-only over the Hub's file route, for the hosts after it
-    in a fleet rollout (their `mirror_endpoint`). Runs until stopped."""
-    from tasks.mirror import CacheMirror
+    in a fleet rollout (their `mirror_endpoint`). Runs until stopped. Where ROLLOUT_MIRROR_TOKEN is
+    set (the same on every host), every file request must present it; beyond loopback it must be set,
+    or --anonymous given (docs/security.md)."""
+    from tasks.hub import MIRROR_TOKEN_ENV
+    from tasks.mirror import CacheMirror, exposure
+    from tasks.trust import env_secret
 
     cache = models_root / "hub"
     if not models_root.is_dir():
         typer.echo(f"error: --models-root {models_root}: no such folder", err=True)
         raise typer.Exit(2)
+    token = env_secret(MIRROR_TOKEN_ENV)
+    try:
+        to_whom = exposure(host, port, token=token, anonymous=anonymous)
+    except UnusableInput as exc:
+        fail(exc)
     cache.mkdir(exist_ok=True)  # a fresh host's cache: it serves what its deploys fetch from now on
     exit_on_sigterm()
     try:
-        served = CacheMirror(cache, host, port, log=lambda line: typer.echo(line))
+        served = CacheMirror(cache, host, port, log=lambda line: typer.echo(line), token=token)
     except OSError as exc:
         typer.echo(f"error: --port {port}: cannot listen on {host}:{port} ({exc.strerror})", err=True)
         raise typer.Exit(2)
-    typer.echo(f"mirror of {cache} at {served.endpoint}", err=True)
+    commits = served.served()
+    typer.echo(f"mirror of {cache} at {served.endpoint}: {len(commits)} verified commit(s) "
+               f"({', '.join(commits[:3])}{', ...' if len(commits) > 3 else ''}), read-only, {to_whom}", err=True)
     try:
         served.server.serve_forever()
     except KeyboardInterrupt:

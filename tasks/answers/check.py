@@ -48,20 +48,41 @@ BUILTIN_REFERENCE = ("The quick brown fox jumps over the lazy dog. Water boils a
                      "level, and the Earth turns once on its axis every day.")
 
 
+# A model repo may ship its own probes (answer-probes.jsonl): read to a bound, since each probe is
+# asked one by one, by completion and by chat, and again under load (a thread each): 100,000 took hours.
+MAX_PROBES = 256
+MAX_PROBES_BYTES = 1024 * 1024
+
+
 def load_probes(path: Path) -> list[Probe]:
-    """A JSONL file of {"prompt": ..., "expected": ...}; a bad line is named by its number."""
+    """A JSONL file of {"prompt": ..., "expected": ...}; a bad line is named by its number. At most
+    MAX_PROBES probes in MAX_PROBES_BYTES, and an expected answer that is not blank: "" starts
+    every output, and would pass any model."""
     probes = []
     try:
-        lines = path.read_text().splitlines()
+        with path.open("rb") as fh:
+            data = fh.read(MAX_PROBES_BYTES + 1)
+        lines = data.decode().splitlines()
     except OSError as exc:
         raise UnusableInput(f"answer_probes {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise UnusableInput(f"answer_probes {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+    if len(data) > MAX_PROBES_BYTES:
+        raise UnusableInput(f"answer_probes {path}: more than {MAX_PROBES_BYTES:,} bytes; a probe set is at most "
+                            f"{MAX_PROBES} probes")
     for number, line in enumerate(lines, 1):
         if line.strip():
             try:
-                probes.append(Probe.model_validate(json.loads(line)))
+                probe = Probe.model_validate(json.loads(line))
             except ValueError as exc:
                 raise UnusableInput(f"answer_probes {path}, line {number}: not {{\"prompt\", \"expected\"}} "
                                     f"({str(exc).splitlines()[0]})") from exc
+            if not probe.expected.strip() or not probe.prompt:
+                raise UnusableInput(f"answer_probes {path}, line {number}: an empty prompt or expected answer "
+                                    "(a blank expected answer passes any output)")
+            probes.append(probe)
+            if len(probes) > MAX_PROBES:
+                raise UnusableInput(f"answer_probes {path}: more than {MAX_PROBES} probes (line {number})")
     if not probes:
         raise UnusableInput(f"answer_probes {path}: no probes")
     return probes

@@ -12,6 +12,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from tasks.answers.spec import AnswerSpec
 from tasks.bench.spec import BenchSpec
+from tasks.trust import loopback
 from tasks.vllm.settings import VllmSettings
 
 
@@ -112,6 +113,14 @@ class DeployConfig(BaseModel):
             "vllm": v.model_copy(update={"node_rank": i} if v.nnodes > 1 else
                                  {"data_parallel_start_rank": i * (v.data_parallel_size_local or 1)})}))
             for i, f in enumerate(self.followers, start=1)]
+
+    def exposure_warning(self) -> str | None:
+        """One line for the deploy's log when vLLM will listen beyond loopback with no API key:
+        anyone who reaches the address can use the model. None where it is loopback or keyed."""
+        if self.api_key_secret or loopback(self.host):
+            return None
+        return (f"vLLM listens on {self.host}:{self.port} with no API key: anyone who reaches that address can use "
+                "the model; set api_key_secret to a Prefect Secret block holding one (docs/security.md)")
 
     @property
     def cache_dir(self) -> Path:

@@ -6,9 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from tasks.history.runs import RunRecord
+from tasks.trust import read_state_text
 from tasks.vllm.process import serving_group
 from tasks.vllm.settings import ServerConfig
 
@@ -44,8 +45,8 @@ def previous_good_file(run_dir: Path) -> Path:
 
 def _read(path: Path) -> LastGood | None:
     try:
-        return LastGood.model_validate_json(path.read_text())
-    except (FileNotFoundError, ValidationError):
+        return LastGood.model_validate_json(read_state_text(path))
+    except (FileNotFoundError, ValueError):  # ValidationError, too large, not UTF-8
         return None
 
 

@@ -13,6 +13,7 @@ import httpx
 from tasks.errors import UnusableInput, first_line
 from tasks.history.last_good import LastGood, read_last_good, read_previous_good
 from tasks.history.tuned import TunedSettings, read_tuned
+from tasks.trust import read_state_text
 from tasks.vllm.process import serving_group, stop_group, vllm_groups
 
 # `rollout status` exit codes, for scripts: 0 serving, 3 nothing serves, 1 the recorded server is dead
@@ -88,11 +89,14 @@ STATE_FILES = ("server.json", "last-good.json")
 def _damage(path: Path) -> str | None:
     """Why the record at `path` cannot be read; None when it reads, or is absent."""
     try:
-        text = path.read_text()
+        text = read_state_text(path)
+        if path.name != "server.json":
+            LastGood.model_validate_json(text)
+        elif not isinstance(state := json.loads(text), dict) or type(state.get("pgid")) is not int or not isinstance(
+                state.get("command", []), list) or not isinstance(state.get("base_url", ""), str):
+            return "not the object a launch writes (an integer pgid, a command list, a base_url string)"
     except FileNotFoundError:
         return None
-    try:
-        json.loads(text) if path.name == "server.json" else LastGood.model_validate_json(text)
     except ValueError as exc:
         return first_line(exc)
     return None
@@ -143,7 +147,7 @@ def host_status(run_dir: Path, timeout_s: float = 5.0) -> HostStatus:
     """The host's serving state; asks the server's /v1/models only while its process group runs."""
     check_state_files(run_dir)  # never read a damaged record as "nothing here": it may hide a live server
     path = run_dir / "server.json"
-    state = json.loads(path.read_text()) if path.exists() else None
+    state = json.loads(read_state_text(path)) if path.exists() else None
     alive = serving_group(run_dir / "server.json") if state else None
     answers = _listed(state["base_url"], timeout_s) if alive and state.get("base_url") else None
     last = read_last_good(run_dir)

@@ -23,7 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-from tasks.vllm.process import group_members, process_start_time, stop_group
+from tasks.trust import read_state_text
+from tasks.vllm.process import process_start_time, stop_group, vllm_group
 
 POLL_S = 0.5
 RECOVER_FOR_S = 600.0  # the dead deploy's lease on the host lock lapses within about 75 s
@@ -75,10 +76,14 @@ def abandoned_swap(run_dir: Path) -> dict | None:
 
 
 def _read(run_dir: Path) -> dict | None:
+    """The record, or None where there is none or it is not one this host wrote (bounded, an object
+    naming a positive integer pid): a guard acts on nothing it cannot read."""
     try:
-        return json.loads(swap_file(run_dir).read_text())
+        record = json.loads(read_state_text(swap_file(run_dir)))
     except (FileNotFoundError, ValueError):
         return None
+    pid = record.get("deploy_pid") if isinstance(record, dict) else None
+    return record if type(pid) is int and pid > 0 else None
 
 
 def stop_unpromoted(run_dir: Path) -> int | None:
@@ -86,14 +91,14 @@ def stop_unpromoted(run_dir: Path) -> int | None:
     deployment; returns the stopped process group. Read as plain JSON: a guard must act on what it
     can read, whatever else is damaged."""
     try:
-        pgid = int(json.loads((run_dir / "server.json").read_text())["pgid"])
+        pgid = json.loads(read_state_text(run_dir / "server.json"))["pgid"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
     try:
-        promoted = json.loads((run_dir / "last-good.json").read_text()).get("serving_pgid")
+        promoted = json.loads(read_state_text(run_dir / "last-good.json")).get("serving_pgid")
     except (OSError, ValueError, AttributeError):
         promoted = None
-    if pgid == promoted or not group_members(pgid):
+    if pgid == promoted or not vllm_group(pgid):  # never init's, its own, or a group that runs no vLLM
         return None
     stop_group(pgid, grace_s=2.0)
     return pgid

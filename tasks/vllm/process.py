@@ -18,6 +18,7 @@ from pathlib import Path
 
 from tasks.cpus import parse_cpus
 from tasks.errors import ServerStartError
+from tasks.trust import read_state_text
 from tasks.vllm.command import build_command, check_arguments
 from tasks.vllm.log import read_from, start_failure
 from tasks.vllm.settings import ServerConfig
@@ -237,8 +238,28 @@ def cancel_prestart(pre: Prestarted) -> None:
     pre.log_path.unlink(missing_ok=True)
 
 
+def signalable(pgid: object) -> bool:
+    """Whether a process group from a state file may be signalled at all: a whole number above 1
+    (0 is the caller's own group, 1 init's, a negative one means every process there is), not the
+    caller's own group, and not holding init or the caller."""
+    if type(pgid) is not int or pgid <= 1 or pgid == os.getpgrp():
+        return False
+    members = group_members(pgid)
+    return 1 not in members and os.getpid() not in members
+
+
+def vllm_group(pgid: object) -> bool:
+    """A signalable group that still runs vLLM: a recycled pgid must not take an unrelated process
+    down. Orphaned children carry vLLM's process titles (VLLM::EngineCore, VLLM::Worker_TP0)."""
+    if not signalable(pgid):
+        return False
+    return any(b"vllm" in _cmdline(pid).lower() for pid in group_members(pgid))
+
+
 def stop_group(pgid: int, grace_s: float = 20.0) -> None:
     """SIGTERM the group, SIGKILL what is left after the grace period, and check nothing remains."""
+    if type(pgid) is not int or pgid <= 1 or pgid == os.getpgrp():
+        raise ValueError(f"process group {pgid!r} is not one to stop: init's, this process's own, or every process")
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
         try:
             os.killpg(pgid, sig)
@@ -264,14 +285,12 @@ def stop_server(handle: ServerHandle, grace_s: float = 20.0) -> None:
 def _live_state(state_file: Path) -> dict | None:
     """The state file's record while its process group still runs vLLM; None otherwise."""
     try:
-        state = json.loads(state_file.read_text())
-        pgid = int(state["pgid"])
+        state = json.loads(read_state_text(state_file))
+        pgid = state["pgid"]
     except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError, ValueError):
         return None
-    # Only a group that still runs vLLM: a recycled pgid must not take an unrelated process down.
-    # Orphaned children carry vLLM's process titles (VLLM::EngineCore, VLLM::Worker_TP0), not our command.
-    live = group_members(pgid)
-    return state if live and any(b"vllm" in _cmdline(pid).lower() for pid in live) else None
+    # Only a group that still runs vLLM, and never init's, this process's own or "every process".
+    return state if isinstance(state, dict) and vllm_group(pgid) else None
 
 
 def reap_stale(state_file: Path, grace_s: float = 20.0, keep_pgid: int | None = None) -> int | None:
