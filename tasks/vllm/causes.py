@@ -281,13 +281,13 @@ NEXT_STEPS: dict[str, str | Callable[[str], str]] = {
     "cuda-graph-capture": "CUDA graph capture failed: start with --compilation-config "
                           "'{\"cudagraph_mode\": \"PIECEWISE\"}', or --enforce-eager to start without CUDA graphs",
     "weights-mismatch": "the checkpoint's tensors do not match this vLLM's model for the architecture: a loader "
-                        "regression of this vLLM version (try the version the model card names, or a newer one), or a "
-                        "checkpoint converted or quantized in a layout vLLM does not read (check its quantization_config "
-                        "and the tool that made it); pipeline or expert parallelism change which names a rank loads: try "
-                        "without them to tell",
+                        "regression of this vLLM version (try the version the model card names, or a newer one), "
+                        "or a checkpoint converted or quantized in a layout vLLM does not read (check its "
+                        "quantization_config and the tool that made it); pipeline or expert parallelism change "
+                        "which names a rank loads: try without them to tell",
     "not-enough-gpus": "vLLM was asked for more GPUs than this process can see: check CUDA_VISIBLE_DEVICES and the "
-                       "container's GPUs (nvidia-smi inside it), that --tensor-parallel-size x --pipeline-parallel-size "
-                       "fits them, and for Ray that every node joined the cluster with its GPUs",
+                       "container's GPUs (nvidia-smi inside it), that --tensor-parallel-size x "
+                       "--pipeline-parallel-size fits them, and for Ray that every node joined with its GPUs",
     "broken-install": "vLLM's compiled kernels do not load here: the vLLM wheel was built for another torch or CUDA, "
                       "or the install is partial; reinstall vLLM in a fresh environment with the torch it pins, "
                       "and do not upgrade torch over it",
