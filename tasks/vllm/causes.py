@@ -34,7 +34,7 @@ FAILURE_CAUSES = [
     # The checkpoint's own files: a config missing, not JSON or naming no architecture, no weights where
     # vLLM looks. vLLM raises some inside its pydantic ModelConfig check, so they come before the
     # ValidationError catch-all at the end.
-    ("model-config", (r"No model architectures are specified|Expecting value: line \d+ column \d+|JSONDecodeError|"
+    ("model-config", (r"No model architectures are specified|Value error, Expecting value: line \d+|JSONDecodeError|"
                       r"Error loading config|Invalid repository ID|Unrecognized model in|"
                       r"should have a `?model_type`? key|Can't load (?:the )?configuration|"
                       r"config\.json\W*(?:not found|does not exist)|No supported config format found|"
@@ -74,7 +74,7 @@ FAILURE_CAUSES = [
                         r"Ninja build failed|ninja: build stopped|nvcc fatal|/bin/nvcc |Error building extension|"
                         r"flashinfer\.jit.*(?:fail|error)|FlashInfer requires (?:GPUs with )?sm\d+|"
                         r"No supported CUDA architectures found|triton\.runtime\.errors|"
-                        r"loc\(\"[^\"]+\":\d+:\d+\): error:")),
+                        r"loc\(\"[^\"]+\":\d+:\d+\): error:|ptxas fatal|Ptx assembly aborted|ptxas .*\berror\b")),
     ("unsupported-model", (r"Model architectures? .* (?:are|is) not supported|does not recognize this architecture|"
                            r"Error in inspecting model architecture|failed to be inspected|"
                            r"not divisible by min_thread_[kn]|size_k must divisible by|"
@@ -114,10 +114,15 @@ FRAMES = [
 ]
 ENGINE_FAILED = re.compile(r"EngineCore failed to start|Engine core initialization failed|WorkerProc initialization "
                            r"failed|WorkerProc failed to start|Worker proc \S+ died unexpectedly|WorkerProc hit an "
-                           r"exception|EngineCore hit an exception|Engine process failed to start", re.IGNORECASE)
+                           r"exception|EngineCore hit an exception|Engine process failed to start|"
+                           r"Got fatal signal from worker processes|Worker failed with error|Error executing method|"
+                           r"A worker died or was killed|RayActorError|The actor died unexpectedly", re.IGNORECASE)
 # A quote that holds only the engine's traceback, without the wrapper's line, shows the same death.
+# The engine core's and its workers' start-up error logs, V1 and V0 (run_mp_engine).
 ENGINE_FRAME = re.compile(r", in run_engine_core\b|vllm/v1/engine/core\.py\", line \d+, in |"
-                          r"\(EngineCore\w* pid=\d+\) ERROR [\d-]+ [\d:]+ \[core\.py:\d+\]")
+                          r"\(EngineCore\w* pid=\d+\) ERROR [\d-]+ [\d:]+ \[core\.py:\d+\]|"
+                          r"\((?:Worker|VllmWorker)\w*[^)]*pid=\d+\) ERROR [\d-]+ [\d:]+ \[multiproc_executor\.py:\d+\]|"
+                          r", in run_mp_engine\b|engine/multiprocessing/engine\.py\", line \d+")
 
 
 # What to try next, per cause: the deploy's operator reads this in the failure, before the log tail.
