@@ -117,11 +117,12 @@ ENGINE_FAILED = re.compile(r"EngineCore failed to start|Engine core initializati
                            r"exception|EngineCore hit an exception|Engine process failed to start|"
                            r"Got fatal signal from worker processes|Worker failed with error|Error executing method|"
                            r"A worker died or was killed|RayActorError|The actor died unexpectedly", re.IGNORECASE)
-# A quote that holds only the engine's traceback, without the wrapper's line, shows the same death.
-# The engine core's and its workers' start-up error logs, V1 and V0 (run_mp_engine).
+# A quote that holds only the engine's traceback, without the wrapper's line, shows the same death: the
+# engine core's and its workers' start-up error logs, V1 and V0 (run_mp_engine).
 ENGINE_FRAME = re.compile(r", in run_engine_core\b|vllm/v1/engine/core\.py\", line \d+, in |"
                           r"\(EngineCore\w* pid=\d+\) ERROR [\d-]+ [\d:]+ \[core\.py:\d+\]|"
-                          r"\((?:Worker|VllmWorker)\w*[^)]*pid=\d+\) ERROR [\d-]+ [\d:]+ \[multiproc_executor\.py:\d+\]|"
+                          r"\((?:Worker|VllmWorker)\w*[^)]*pid=\d+\) ERROR [\d-]+ [\d:]+ "
+                          r"\[multiproc_executor\.py:\d+\]|"
                           r", in run_mp_engine\b|engine/multiprocessing/engine\.py\", line \d+")
 
 
