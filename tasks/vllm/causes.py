@@ -63,7 +63,8 @@ FAILURE_CAUSES = [
                           r"no module or parameter named|param = params_dict\[name\]")),
     # vLLM's compiled ops do not load: a wheel built against another torch or CUDA, or a partial install.
     ("broken-install", (r"'_OpNamespace' '\w+' object has no attribute|undefined symbol: |"
-                        r"No module named '(?:vllm\.)?_\w*C'|cannot open shared object file")),
+                        r"No module named '(?:vllm\.)?_\w*C'|No module named 'vllm(?:\.(?!_version)\w+)*'|"
+                        r"cannot open shared object file")),
     ("cuda-kernel-error", (r"illegal memory access|no kernel image is available|AcceleratorError|\bCUDA error\b|"
                            r"\bcudaError\w+|CUDA_ERROR_\w+|misaligned address|device-side assert(?:ion)? triggered|"
                            r"illegal instruction|unspecified launch failure|"
@@ -74,7 +75,8 @@ FAILURE_CAUSES = [
                         r"Ninja build failed|ninja: build stopped|nvcc fatal|/bin/nvcc |Error building extension|"
                         r"flashinfer\.jit.*(?:fail|error)|FlashInfer requires (?:GPUs with )?sm\d+|"
                         r"No supported CUDA architectures found|triton\.runtime\.errors|"
-                        r"loc\(\"[^\"]+\":\d+:\d+\): error:|ptxas fatal|Ptx assembly aborted|ptxas .*\berror\b")),
+                        r"loc\(\"[^\"]+\":\d+:\d+\): error:|ptxas fatal|Ptx assembly aborted|ptxas .*\berror\b|"
+                        r"torch\._dynamo\.exc\.\w+")),
     ("unsupported-model", (r"Model architectures? .* (?:are|is) not supported|does not recognize this architecture|"
                            r"Error in inspecting model architecture|failed to be inspected|"
                            r"not divisible by min_thread_[kn]|size_k must divisible by|"
@@ -116,14 +118,17 @@ ENGINE_FAILED = re.compile(r"EngineCore failed to start|Engine core initializati
                            r"failed|WorkerProc failed to start|Worker proc \S+ died unexpectedly|WorkerProc hit an "
                            r"exception|EngineCore hit an exception|Engine process failed to start|"
                            r"Got fatal signal from worker processes|Worker failed with error|Error executing method|"
-                           r"A worker died or was killed|RayActorError|The actor died unexpectedly", re.IGNORECASE)
+                           r"A worker died or was killed|RayActorError|The actor died unexpectedly|"
+                           r"Exception in worker \w+ while processing method", re.IGNORECASE)
 # A quote that holds only the engine's traceback, without the wrapper's line, shows the same death: the
 # engine core's and its workers' start-up error logs, V1 and V0 (run_mp_engine).
 ENGINE_FRAME = re.compile(r", in run_engine_core\b|vllm/v1/engine/core\.py\", line \d+, in |"
                           r"\(EngineCore\w* pid=\d+\) ERROR [\d-]+ [\d:]+ \[core\.py:\d+\]|"
                           r"\((?:Worker|VllmWorker)\w*[^)]*pid=\d+\) ERROR [\d-]+ [\d:]+ "
                           r"\[multiproc_executor\.py:\d+\]|"
-                          r", in run_mp_engine\b|engine/multiprocessing/engine\.py\", line \d+")
+                          r", in run_mp_engine\b|engine/multiprocessing/engine\.py\", line \d+|"
+                          r"vllm/engine/llm_engine\.py\", line \d+, in (?:__init__|_initialize_kv_caches)\b|"
+                          r"ERROR [\d-]+ [\d:]+ \[?multiproc_worker_utils\.py:\d+\]")
 
 
 # What to try next, per cause: the deploy's operator reads this in the failure, before the log tail.
