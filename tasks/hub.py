@@ -227,7 +227,7 @@ def _stream(url: str, sink: HashingFile, file: RepoFile, *, token: bool = True) 
         if declared.isdigit() and not response.headers.get("Content-Encoding") and \
                 sink.tell() + int(declared) > file.size:
             raise ChecksumError(f"{file.path}: {source} announced {int(declared):,} bytes from byte {sink.tell():,}, "
-                                f"past the {file.size:,} the hub published; not read")
+                                f"past the {file.size:,} bytes the hub published; not read")
         for chunk in response.iter_bytes():
             if sink.tell() + len(chunk) > file.size:
                 raise ChecksumError(f"{file.path}: {source} sent more than the {file.size:,} bytes the hub "

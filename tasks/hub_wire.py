@@ -19,8 +19,8 @@ from tasks.errors import HubError
 from tasks.trust import COMMIT, SHA256, check_filename, check_hash, check_size, read_bounded, shown
 
 CHUNK = 8 * 1024 * 1024
-# The Hub's answer about one commit: ~250 bytes a file, so 64 MiB is a quarter of a million files.
-MAX_API_BYTES = 64 * 1024 * 1024
+# The Hub's answer about one commit: ~250 bytes a file, so 32 MiB holds the 100,000 files a repo may have.
+MAX_API_BYTES = 32 * 1024 * 1024
 
 
 @dataclass(frozen=True)

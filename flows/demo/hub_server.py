@@ -22,6 +22,7 @@ from urllib.parse import unquote, urlsplit
 from tasks.mirror import BackgroundServer, byte_span
 
 LFS_SUFFIXES = (".safetensors", ".bin", ".gguf")
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")  # no `..`, no `.` alone: a folder under root
 _API = re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)(?:/revision/(?P<rev>[^/]+))?$")
 _TREE = re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)/tree/(?P<rev>[^/]+)(?:/.*)?$")
 _RESOLVE = re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<file>.+)$")
@@ -80,8 +81,12 @@ class LocalHub(BackgroundServer):
         return HubHandler
 
     def repo(self, repo_id: str) -> LocalRepo | None:
+        """The repo folder under root, or None: a repo id from the URL (`%2e%2e/%2e%2e`, decoded)
+        never names a folder elsewhere, which the hub would hash whole and then serve from."""
+        if not _REPO_ID.fullmatch(repo_id) or ".." in repo_id:
+            return None
         folder = self.root / repo_id
-        if not folder.is_dir():
+        if not folder.is_dir() or self.root.resolve() not in folder.resolve().parents:
             return None
         with self._lock:
             if repo_id not in self._repos:
