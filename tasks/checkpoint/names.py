@@ -10,6 +10,7 @@ in one line, not left running for hours.
 from __future__ import annotations
 
 import functools
+import os
 import re
 import time
 from bisect import bisect_right
@@ -30,14 +31,22 @@ FUSED_PARTS = {
 }
 PART_TO_FUSED = {part: fused for fused, parts in FUSED_PARTS.items() for part in parts}
 PATTERN_SECONDS = 20.0  # all of one validation's pattern matching; a Kimi-sized one takes well under 1 s
+PATTERN_SECONDS_ENV = "ROLLOUT_PATTERN_SECONDS"  # another budget, for a host that needs one (and the tests)
+
+
+def pattern_seconds() -> float:
+    try:
+        return max(float(os.environ.get(PATTERN_SECONDS_ENV) or PATTERN_SECONDS), 0.1)
+    except ValueError:
+        return PATTERN_SECONDS
 
 
 class PatternBudget:
     """The time one validation's patterns may take together; past it, the pattern running is refused."""
 
-    def __init__(self, seconds: float = PATTERN_SECONDS):
-        self.seconds = seconds
-        self.ends = time.monotonic() + seconds
+    def __init__(self, seconds: float | None = None):
+        self.seconds = seconds or pattern_seconds()
+        self.ends = time.monotonic() + self.seconds
 
     def left(self) -> float:
         return max(self.ends - time.monotonic(), 0.001)
