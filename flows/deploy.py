@@ -217,7 +217,7 @@ def _swap(config: DeployConfig, previous: LastGood | None, prepared: PreparedMod
     old_pgid = previous.serving_pgid if previous else None
     prestarted = None
     try:
-        # A client's view of the swap: one-token completions every 0.5 s to whatever server the
+        # A client's view of the swap: one-token completions every 0.25 s to whatever server the
         # host records, from before the old one stops until the next one answers.
         with GapProbe(config.run_dir / "server.json", api_key=secret(config.api_key_secret)) as probe:
 

@@ -65,3 +65,73 @@ def test_the_gap_runs_from_the_old_servers_last_answer_to_the_serving_ones_first
             time.sleep(0.3)
             assert len(paused.answers) > count
     assert nothing.seconds is None and nothing.text().startswith("nothing has answered since")
+
+
+class _Answering:
+    """A one-route completions server whose answer and delay the test sets: what vLLM sends while it
+    shuts down (an aborted request) or a reply that arrives after the host's record moved on."""
+
+    def __init__(self, body: dict, delay_s: float = 0.0):
+        import http.server
+        import threading
+
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802
+                self.rfile.read(int(self.headers["Content-Length"]))
+                time.sleep(outer.delay_s)
+                data = json.dumps(outer.body).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.body, self.delay_s = body, delay_s
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.base_url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+
+
+def _state(state_file, base_url: str, pgid: int) -> None:
+    state_file.write_text(json.dumps({"pgid": pgid, "base_url": base_url, "command": ["vllm", "--served-model-name", "m"]}))
+
+
+def _choice(finish_reason: str, tokens: int) -> dict:
+    return {"choices": [{"index": 0, "text": " 2" if tokens else "", "finish_reason": finish_reason}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": tokens, "total_tokens": 1 + tokens}}
+
+
+def test_an_aborted_request_is_not_an_answer_and_a_reply_after_the_record_moved_is_nobodys(tmp_path):
+    state = tmp_path / "server.json"
+    aborting = _Answering(_choice("abort", 0))  # a server shutting down: 200, no token
+    answering = _Answering(_choice("length", 1), delay_s=0.4)
+    try:
+        _state(state, aborting.base_url, 1001)
+        with GapProbe(state, interval_s=0.05) as probe:
+            time.sleep(0.5)
+        assert probe.answers and not any(a.ok for a in probe.answers)
+        assert {a.outcome for a in probe.answers} == {"no token (abort)"}
+        # Every probe lands in the run's record of the swap, next to the state file.
+        saved = [json.loads(line) for line in (tmp_path / "gap-probe.jsonl").read_text().splitlines()]
+        assert len(saved) == len(probe.answers) and saved[0]["pgid"] == 1001
+
+        _state(state, answering.base_url, 1002)
+        with GapProbe(state, interval_s=0.05) as probe:
+            probe.wait_for_answer(1002)
+            time.sleep(0.1)  # a probe in flight now, answered 0.4 s later
+            _state(state, answering.base_url, 1003)  # the host records another server meanwhile
+            probe.wait_for_answer(1003)
+        moved = [a for a in probe.answers if a.outcome == "moved"]
+        assert moved and not any(a.ok for a in moved)  # neither 1002's nor 1003's answer
+        assert any(a.ok and a.pgid == 1003 for a in probe.answers)
+    finally:
+        aborting.close()
+        answering.close()

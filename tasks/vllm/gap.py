@@ -8,6 +8,14 @@ flow's own steps: a server that is "ready" by our readiness check but does not a
 yet still counts as down, and a restart of the old one counts from its first real answer.
 Answers from a server that does not end up serving (a new one whose check failed) do not end the
 gap: a client that reached it was answered by a model that was then rolled back.
+
+An answer counts as a client would count it: a generated token (a 200 whose choice ended by
+length or stop with a completion token, not an error or an aborted request), on a connection of
+its own (a client of a swap connects afresh; a kept-alive one can outlive the server's listening
+socket), from the server the state file named both when the probe was sent and when its answer
+came back (a swap that changed the record in between leaves the answer unattributed, never given
+to the wrong server). The last swap's probes are kept in `<run_dir>/gap-probe.jsonl`, so a gap in the summary
+can be read against what a client saw.
 """
 
 from __future__ import annotations
@@ -22,12 +30,16 @@ from pathlib import Path
 import httpx
 from pydantic import BaseModel
 
+from tasks.trust import read_state_text
+
 
 @dataclass(frozen=True)
 class ProbeAnswer:
     at: float  # epoch seconds when the answer (or the failure) came back
-    pgid: int | None  # the process group the state file named when the probe was sent
-    ok: bool
+    pgid: int | None  # the process group the state file named when the probe was sent and answered
+    ok: bool  # a generated token came back
+    sent: float = 0.0  # epoch seconds when the probe was sent
+    outcome: str = ""  # what came back: "token", an HTTP status, an error's name, "no server", "moved"
 
 
 class Unavailability(BaseModel):
@@ -52,7 +64,7 @@ class Unavailability(BaseModel):
 def _target(state_file: Path) -> tuple[str, str, int] | None:
     """(base URL, served model name, process group) of the server the host records now."""
     try:
-        state = json.loads(state_file.read_text())
+        state = json.loads(read_state_text(state_file))
         command = state.get("command", [])
         name = command[command.index("--served-model-name") + 1] if "--served-model-name" in command else ""
         return (state["base_url"], name, int(state["pgid"])) if state.get("base_url") else None
@@ -62,10 +74,12 @@ def _target(state_file: Path) -> tuple[str, str, int] | None:
 
 @dataclass
 class GapProbe:
-    """A one-token completion every `interval_s` through a swap; a context manager around it."""
+    """A one-token completion every `interval_s` through a swap; a context manager around it. A
+    quarter of a second: the gap it reports is within that of a client asking more often, and four
+    one-token requests a second are no load on a server (it pauses for the check and the sweep)."""
 
     state_file: Path
-    interval_s: float = 0.5
+    interval_s: float = 0.25
     api_key: str | None = None
     answers: list[ProbeAnswer] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -81,30 +95,30 @@ class GapProbe:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        if self.answers:
+            self.save(self.state_file.with_name("gap-probe.jsonl"))
 
     def _run(self) -> None:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        with httpx.Client(timeout=max(1.0, 2 * self.interval_s), headers=headers) as http:
+        # No pooled connection (max_keepalive_connections=0): every probe connects as a new client does.
+        limits = httpx.Limits(max_keepalive_connections=0)
+        with httpx.Client(timeout=max(1.0, 2 * self.interval_s), headers=headers, limits=limits) as http:
             while not self._stop.is_set():
                 if self._paused.is_set():
                     self._stop.wait(self.interval_s)
                     continue
-                sent = time.monotonic()
+                began, sent = time.monotonic(), time.time()
                 target = _target(self.state_file)
-                ok = False
-                if target is not None:
-                    url, name, _ = target
-                    try:
-                        reply = http.post(f"{url}/v1/completions",
-                                          json={"model": name, "prompt": "1", "max_tokens": 1, "temperature": 0})
-                        ok = reply.status_code == 200 and bool(reply.json().get("choices"))
-                    except (httpx.HTTPError, ValueError):
-                        ok = False
-                self.answers.append(ProbeAnswer(at=time.time(), pgid=target[2] if target else None, ok=ok))
-                self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - sent)))
+                outcome = _ask(http, target) if target is not None else "no server"
+                at = time.time()
+                if target is not None and _target(self.state_file) != target:
+                    outcome = "moved"  # the record changed while it was asked: which server answered is unknown
+                self.answers.append(ProbeAnswer(at=at, pgid=target[2] if target else None, ok=outcome == "token",
+                                                sent=sent, outcome=outcome))
+                self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - began)))
 
     def pause(self) -> None:
-        """No probes while the new server is checked and benchmarked: one request every 0.5 s would
+        """No probes while the new server is checked and benchmarked: four requests a second would
         be load the benchmark did not ask for. A failure resumes them before the restore."""
         self._paused.set()
 
@@ -116,6 +130,11 @@ class GapProbe:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and not any(a.ok and a.pgid == pgid for a in list(self.answers)):
             time.sleep(0.05)
+
+    def save(self, path: Path) -> None:
+        """Every probe of this swap, a JSON line each (sent, answered, group, outcome)."""
+        path.write_text("".join(json.dumps({"sent": round(a.sent, 3), "at": round(a.at, 3), "pgid": a.pgid,
+                                            "outcome": a.outcome}) + "\n" for a in list(self.answers)))
 
     def gap(self, *, old_pgid: int | None, new_pgid: int | None) -> Unavailability:
         """From the old group's last answer to the first answer after it by the group now serving."""
@@ -134,3 +153,24 @@ class GapProbe:
                               last_old_answer=stamp(last_old), first_new_answer=stamp(first_new),
                               probes=len(between), failed=sum(not a.ok or a.pgid != new_pgid for a in between),
                               interval_s=self.interval_s)
+
+
+def _ask(http: httpx.Client, target: tuple[str, str, int]) -> str:
+    """One one-token completion: "token" where one was generated, else what came back instead."""
+    url, name, _ = target
+    try:
+        reply = http.post(f"{url}/v1/completions",
+                          json={"model": name, "prompt": "1", "max_tokens": 1, "temperature": 0})
+    except httpx.HTTPError as err:
+        return type(err).__name__
+    if reply.status_code != 200:
+        return f"HTTP {reply.status_code}"
+    try:
+        body = reply.json()
+        choice = body["choices"][0]
+        generated = int((body.get("usage") or {}).get("completion_tokens") or 0)
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return "malformed answer"
+    if choice.get("finish_reason") not in ("length", "stop") or generated < 1:
+        return f"no token ({choice.get('finish_reason')})"
+    return "token"
