@@ -162,6 +162,9 @@ def test_next_step_for_the_other_causes():
     assert "compute capability" in next_step("cuda-kernel-error", fixture("cuda-kernel-error-14452.log"))
     assert "--enforce-eager" in next_step("cuda-kernel-error", fixture("cuda-kernel-error-26558.log"))
     assert "PIECEWISE" in next_step("cuda-graph-capture", fixture("cuda-graph-capture-48749.log"))
+    assert "gfx target" in next_step("cuda-kernel-error", fixture("cuda-kernel-error-32895.log"))
+    step = next_step("unsupported-model", fixture("unsupported-model-21.log"))
+    assert "--trust-remote-code" in step and "transformers" in step
     for path in FAILURES:
         assert next_step(expected_cause(path), quoted(path)), path.name
     assert next_step("exited", "")

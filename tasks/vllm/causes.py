@@ -39,7 +39,8 @@ FAILURE_CAUSES = [
                       r"should have a `?model_type`? key|Can't load (?:the )?configuration|"
                       r"config\.json\W*(?:not found|does not exist)|No supported config format found|"
                       r"Could not detect config format|does not appear to have a file named|"
-                      r"Cannot find any model weights")),
+                      r"Cannot find any model weights|Failed to load the tokenizer|Can't load tokenizer|"
+                      r"No tokenizer file found")),
     # The GPU is older than what the checkpoint's quantization, dtype or kernel needs; checked before the
     # generic "not supported" of unsupported-model and before a Triton CompilationError that only wraps it.
     ("gpu-capability", (r"not supported for the current GPU|(?:Min(?:imum)?|Current) capability: \d+|"
@@ -59,13 +60,17 @@ FAILURE_CAUSES = [
                             r"failed|CUDA graph capture failed")),
     # A checkpoint tensor with no parameter of that name in vLLM's model (a loader regression, or a
     # checkpoint converted or quantized in a layout this vLLM does not read).
-    ("weights-mismatch", (r"KeyError: '(?:model\.)?(?:language_model\.)?layers\.\d+\.|"
+    # V0's engine logs a KeyError as its bare key: "ERROR ... engine.py:366] 'layers.0.mlp.down_proj.weight'".
+    ("weights-mismatch", (r"KeyError: '\w+(?:\.\w+)*\.\d+\.[\w.]+'?|KeyError: '[\w.]+\.(?:weight|bias)'|"
+                          r"\] '\w+(?:\.\w+)*\.\d+\.[\w.]+'\s*$|"
                           r"no module or parameter named|param = params_dict\[name\]")),
     # vLLM's compiled ops do not load: a wheel built against another torch or CUDA, or a partial install.
     ("broken-install", (r"'_OpNamespace' '\w+' object has no attribute|undefined symbol: |"
                         r"No module named '(?:vllm\.)?_\w*C'|No module named 'vllm(?:\.(?!_version)\w+)*'|"
                         r"cannot open shared object file")),
-    ("cuda-kernel-error", (r"illegal memory access|no kernel image is available|AcceleratorError|\bCUDA error\b|"
+    # ROCm words the same errors as HIP's: "HIP error: invalid argument", hipErrorNoBinaryForGpu.
+    ("cuda-kernel-error", (r"illegal memory access|no kernel image is available|AcceleratorError|"
+                           r"\b(?:CUDA|HIP) error\b|\bhipError\w+|"
                            r"\bcudaError\w+|CUDA_ERROR_\w+|misaligned address|device-side assert(?:ion)? triggered|"
                            r"illegal instruction|unspecified launch failure|"
                            r"out of resource: shared memory|OutOfResources")),
@@ -79,6 +84,7 @@ FAILURE_CAUSES = [
                         r"torch\._dynamo\.exc\.\w+")),
     ("unsupported-model", (r"Model architectures? .* (?:are|is) not supported|does not recognize this architecture|"
                            r"Error in inspecting model architecture|failed to be inspected|"
+                           r"is not a registered model in the Transformers library|Cannot find model module|"
                            r"not divisible by min_thread_[kn]|size_k must divisible by|"
                            r"No \w+ (?:MoE )?backend supports|not supported for now|Unsupported CPU attention|"
                            r"does not support \w+ quantization|No compressed-tensors compatible scheme|"
@@ -121,14 +127,14 @@ ENGINE_FAILED = re.compile(r"EngineCore failed to start|Engine core initializati
                            r"A worker died or was killed|RayActorError|The actor died unexpectedly|"
                            r"Exception in worker \w+ while processing method", re.IGNORECASE)
 # A quote that holds only the engine's traceback, without the wrapper's line, shows the same death: the
-# engine core's and its workers' start-up error logs, V1 and V0 (run_mp_engine).
+# engine core's and its workers' start-up error logs, V1 and V0 (run_mp_engine logs as "[engine.py:N]").
 ENGINE_FRAME = re.compile(r", in run_engine_core\b|vllm/v1/engine/core\.py\", line \d+, in |"
                           r"\(EngineCore\w* pid=\d+\) ERROR [\d-]+ [\d:]+ \[core\.py:\d+\]|"
                           r"\((?:Worker|VllmWorker)\w*[^)]*pid=\d+\) ERROR [\d-]+ [\d:]+ "
                           r"\[multiproc_executor\.py:\d+\]|"
                           r", in run_mp_engine\b|engine/multiprocessing/engine\.py\", line \d+|"
                           r"vllm/engine/llm_engine\.py\", line \d+, in (?:__init__|_initialize_kv_caches)\b|"
-                          r"ERROR [\d-]+ [\d:]+ \[?multiproc_worker_utils\.py:\d+\]")
+                          r"ERROR [\d-]+ [\d:]+ \[?(?:multiproc_worker_utils|engine)\.py:\d+\]")
 
 
 # What to try next, per cause: the deploy's operator reads this in the failure, before the log tail.
@@ -217,10 +223,11 @@ def _kernel_step(log: str) -> str:
                 "or attention backend, or a kernel config tuned for this GPU (VLLM_TUNED_CONFIG_FOLDER)")
     if re.search(r"no kernel image is available", log, re.IGNORECASE):
         return ("this vLLM/PyTorch build has no kernels for this GPU's compute capability: install a build made "
-                "for it (for SM120/Blackwell, a CUDA 12.8+ build)")
+                "for it (for SM120/Blackwell, a CUDA 12.8+ build; on ROCm, one built for the GPU's gfx target)")
     return ("a CUDA kernel failed on this GPU: try another kernel path for the failing layer (another MoE or "
             "attention backend, --kv-cache-dtype auto instead of fp8, --disable-custom-all-reduce) and "
-            "--enforce-eager to rule out CUDA graphs; CUDA_LAUNCH_BLOCKING=1 shows the kernel that failed")
+            "--enforce-eager to rule out CUDA graphs; CUDA_LAUNCH_BLOCKING=1 (AMD_SERIALIZE_KERNEL=3 on ROCm) "
+            "shows the kernel that failed")
 
 
 def _capability(number: str) -> str:
@@ -258,6 +265,10 @@ def _unsupported_step(log: str) -> str:
     if re.search(r"not divisible by min_thread_[kn]", log):
         return ("a layer's shape does not fit the Marlin kernel's tiles at this tensor-parallel size: lower "
                 "--tensor-parallel-size, or serve with the plain kernel its message names (--quantization awq/gptq)")
+    if re.search(r"not a registered model in the Transformers library|Cannot find model module", log):
+        return ("neither this vLLM nor the installed Transformers knows the checkpoint's architecture: upgrade vLLM "
+                "(and transformers) to a version that lists it, or pass --trust-remote-code when the checkpoint "
+                "ships its own modeling code (auto_map in config.json)")
     return ("this vLLM cannot serve this model or its quantization on this GPU: check the architecture and "
             "quantization_config against vLLM's supported models, upgrade vLLM, or choose a checkpoint with a "
             "kernel for this GPU")
@@ -280,8 +291,9 @@ NEXT_STEPS: dict[str, str | Callable[[str], str]] = {
     "invalid-argument": _argument_step,
     "max-model-len-too-long": _max_len_step,
     "model-config": "the model's files are not what vLLM needs: check that the checkpoint directory holds the "
-                    "model's own config.json, valid JSON with `architectures` and `model_type`, and its weights "
-                    "(an interrupted download, an adapter-only or tokenizer-only repo has neither), or point "
+                    "model's own config.json, valid JSON with `architectures` and `model_type`, its tokenizer "
+                    "files and its weights (an interrupted download, an adapter-only or tokenizer-only repo has "
+                    "neither), or point "
                     "--hf-config-path at the config",
     "gpu-capability": _gpu_step,
     "out-of-memory": _memory_step,
