@@ -81,6 +81,7 @@ from tasks.orchestration.steps import (
     stop_serving,
     stop_vllm,
 )
+from tasks.profiles.families import family_line
 from tasks.serving import Serving
 from tasks.vllm.command import warming_option_table
 from tasks.vllm.gap import GapProbe, Unavailability
@@ -145,6 +146,8 @@ def _deploy(config: DeployConfig) -> tuple[DeployResult | None, DeployReport]:
                                         margin_gb=config.prewarm_margin_gb).text()
             report = replace(report, last_good=last_run, prewarm=prewarm)
             server = server_config(config, prepared.model_dir, gpu.platform)
+            if line := family_line(config.vllm, prepared.model_dir):
+                get_run_logger().info(line)
             served, restored = _swap(config, previous, prepared, server, gpu=gpu, last_run=last_run,
                                      same_weights=same_weights)
             report = replace(report, previous_stopped=_stopped(previous, config.run_dir), served=served,
@@ -324,7 +327,7 @@ def _serve_and_bench(config: DeployConfig, prepared: PreparedModel, gpu: GpuProb
                                       same_commit=last_run is not None and last_run.commit == prepared.commit,
                                       same_weights=same_weights, repo_id=config.repo_id, api_key=handle.api_key,
                                       max_model_len=context_length(prepared.model_dir, config.vllm),
-                                      vocab_size=vocab_size(prepared.model_dir), settings=config.vllm)
+                                      vocab_size=vocab_size(prepared.model_dir), settings=server)
                 answers = report.baseline
                 if not report.passed:
                     why = "; ".join(report.problems)

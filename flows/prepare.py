@@ -19,6 +19,7 @@ from tasks.hub import RepoSnapshot, missing_bytes, record_revision, snapshot_dir
 from tasks.orchestration.artifacts import FetchProgress, publish_fetch
 from tasks.orchestration.run_labels import label_run
 from tasks.orchestration.steps import (
+    check_remote_code,
     evict_models,
     fetch,
     hub_token,
@@ -33,13 +34,14 @@ from tasks.vllm.process import served_model
 @flow(name="prepare-model")
 def prepare_model(config: DeployConfig) -> PreparedModel:
     """Pin the revision, make room, fetch every file in parallel, and check the checkpoint."""
-    return prepare_steps(config)
+    return prepare_steps(config, will_serve=False)  # staging runs nothing of the repo's code
 
 
-def prepare_steps(config: DeployConfig, run_prefix: str = "") -> PreparedModel:
+def prepare_steps(config: DeployConfig, run_prefix: str = "", *, will_serve: bool = True) -> PreparedModel:
     """The prepare steps as tasks of the calling flow (deploy, tune), which they name after the
     model (`run_prefix` first). Not a prepare-model subflow: a task fed a subflow's result records a
-    `flow_run` input, and Prefect's UI then lists none of the run's task runs (PrefectHQ/prefect#18680)."""
+    `flow_run` input, and Prefect's UI then lists none of the run's task runs (PrefectHQ/prefect#18680).
+    A run that will serve the model first asks whether its repo ships code vLLM would execute."""
     logger = get_run_logger()
     label_run(config.repo_id, config.revision, prefix=run_prefix)  # findable even when the hub does not answer
     with hub_token(config.hf_token_secret):
@@ -47,6 +49,8 @@ def prepare_steps(config: DeployConfig, run_prefix: str = "") -> PreparedModel:
         label_run(config.repo_id, config.revision, snapshot.commit, prefix=run_prefix)
         logger.info("%s@%s is commit %s: %d files, %.2f GB", config.repo_id, config.revision, snapshot.commit,
                     len(snapshot.files), snapshot.total_bytes / GB)
+        remote_code = check_remote_code(snapshot, config.hub_endpoint, run_dir=config.run_dir,
+                                        consent=config.vllm.trust_remote_code) if will_serve else []
         validate_remote(snapshot, config.hub_endpoint)
         needed = missing_bytes(snapshot, config.cache_dir)
         _make_room(config, snapshot, needed)
@@ -54,7 +58,7 @@ def prepare_steps(config: DeployConfig, run_prefix: str = "") -> PreparedModel:
         model_dir = snapshot_dir(snapshot, config.cache_dir)
         report = validate_local(model_dir, config.repo_id)
     return PreparedModel(repo_id=config.repo_id, commit=snapshot.commit, model_dir=model_dir,
-                         total_bytes=snapshot.total_bytes, validation=report)
+                         total_bytes=snapshot.total_bytes, validation=report, remote_code=remote_code)
 
 
 def _make_room(config: DeployConfig, snapshot: RepoSnapshot, needed: int) -> None:

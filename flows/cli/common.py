@@ -162,21 +162,32 @@ def check_models_root(models_root: Path) -> None:
         raise typer.Exit(2)
 
 
-def check_hub(repo_id: str, revision: str, endpoint: str | None) -> None:
+def check_hub(repo_id: str, revision: str, endpoint: str | None):
     """One hub call before Prefect starts: a typo in the repo or the endpoint fails in a second."""
     from tasks.hub import resolve_snapshot
 
     try:
-        resolve_snapshot(repo_id, revision, endpoint)
+        return resolve_snapshot(repo_id, revision, endpoint)
     except UnusableInput as exc:
         fail(exc)
 
 
-def check_before_the_flow(config: DeployConfig) -> None:
+def check_before_the_flow(config: DeployConfig, *, will_serve: bool = True) -> None:
     """What a command checks in seconds before its flow starts Prefect: the models root's parent,
-    then the hub and the repo (a typo fails in a second, not after the embedded server starts)."""
+    then the hub and the repo (a typo fails in a second, not after the embedded server starts), and
+    for a command that serves the model, code the repo would have vLLM run without consent."""
+    from tasks.profiles.remote_code import code_in_snapshot, refusal
+
     check_models_root(config.models_root)
-    check_hub(config.repo_id, config.revision, config.hub_endpoint)
+    snapshot = check_hub(config.repo_id, config.revision, config.hub_endpoint)
+    if will_serve:
+        try:
+            refused = refusal(code_in_snapshot(snapshot, config.hub_endpoint), repo_id=config.repo_id,
+                              commit=snapshot.commit, run_dir=config.run_dir, given=config.vllm.trust_remote_code)
+        except UnusableInput as exc:
+            fail(exc)
+        if refused is not None:
+            fail(refused)
 
 
 def print_table(results: list[LevelResult], stop: str | None) -> None:

@@ -122,7 +122,7 @@ def prepare(
     exit_on_sigterm()
     check_prefect()
     config = from_options(STAGE, options, repo_id=repo_id)
-    check_before_the_flow(config)
+    check_before_the_flow(config, will_serve=False)
     try:
         prepared = prepare_model(config)
     except Exception as exc:

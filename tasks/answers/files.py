@@ -12,6 +12,10 @@ What fails, and why:
 - **`config.json` changed under the very same weight files.** The numbers are the same; what the
   model computes from them (positions, scaling, routing) is not. A republish with a corrected
   config is the same kind of change, and the operator who means it says so the same way.
+- **The Python files changed** (a tokenizer's `tokenization_kimi.py`, a processor): under
+  `--trust-remote-code` they are code the server executes, so a commit that changes them is a new
+  program, not new data, whatever its weights. Named by file; an update the operator means:
+  `allow_changed_files`.
 Everything else that changed (the chat template, special tokens, `generation_config.json`, a config
 beside new weights) is named in the artifact; the chat probes and the drift checks judge it.
 """
@@ -146,6 +150,22 @@ def _vocabulary_change(old_dir: Path, new_dir: Path) -> str | None:
     return "; ".join(parts) or "the merges changed (the same tokens split differently)"
 
 
+MAX_CODE_FILES = 256  # a model repo ships a handful; more are not compared one by one
+
+
+def _code_files(model_dir: Path) -> dict[str, str]:
+    """path -> identity of every Python file in the snapshot (what remote code could import)."""
+    found = sorted(model_dir.rglob("*.py"))[:MAX_CODE_FILES]
+    return {str(path.relative_to(model_dir)): _blob(path) for path in found if path.is_file()}
+
+
+def _code_change(old_dir: Path, new_dir: Path) -> str | None:
+    old, new = _code_files(old_dir), _code_files(new_dir)
+    changed = [f"{name} {'added' if name not in old else 'removed' if name not in new else 'changed'}"
+               for name in sorted(old.keys() | new.keys()) if old.get(name) != new.get(name)]
+    return _named(changed) if changed else None
+
+
 def _chat_template(model_dir: Path) -> str | None:
     """The template vLLM serves: chat_template.jinja beside the tokenizer, else tokenizer_config.json's."""
     if (path := model_dir / "chat_template.jinja").is_file():
@@ -170,8 +190,10 @@ def _special_tokens(model_dir: Path) -> dict[str, Any]:
 
 
 def compare_files(new_dir: Path, last_good_dir: Path, *, last_good: str,
-                  allow_changes: bool = False) -> FilesComparison:
-    """Every change between the two revisions' files that bears on what the model answers."""
+                  allow_changes: bool = False, code_runs: bool = True) -> FilesComparison:
+    """Every change between the two revisions' files that bears on what the model answers.
+    `code_runs`: whether the server executes the repo's Python (tasks/profiles/remote_code.py); a
+    changed file it never imports is named and not failed."""
     old_weights, new_weights = _weight_files(last_good_dir), _weight_files(new_dir)
     same_weights = ([p.name for p in old_weights] == [p.name for p in new_weights]
                     and all(_blob(a) == _blob(b) for a, b in zip(old_weights, new_weights)))
@@ -183,6 +205,11 @@ def compare_files(new_dir: Path, last_good_dir: Path, *, last_good: str,
                                   why="under weights of the same shapes, a token now reads another token's "
                                       "embedding; a retrained tokenizer: allow_changed_files"
                                   if fails else ""))
+    if code := _code_change(last_good_dir, new_dir):
+        fails = code_runs and not allow_changes
+        changes.append(FileChange(file="remote code", change=code, fails=fails,
+                                  why="Python that --trust-remote-code executes on this host; an update you "
+                                      "read and mean: allow_changed_files" if fails else ""))
     if (old := _chat_template(last_good_dir)) != (new := _chat_template(new_dir)):
         what = "added" if old is None else "removed" if new is None else f"changed ({len(old)} -> {len(new)} chars)"
         changes.append(FileChange(file="chat template", change=what))

@@ -14,6 +14,8 @@ from tasks.deployment.config import DeployConfig
 from tasks.gpu import GpuProbe, HardwarePlan, kv_cache_is_fp8
 from tasks.history.last_good import LastGood
 from tasks.history.runs import RunRecord
+from tasks.profiles.families import family_settings
+from tasks.profiles.remote_code import code_in_dir, consented
 from tasks.vllm.options import mla_takes_fp8_kv
 from tasks.vllm.process import ServerHandle
 from tasks.vllm.readiness import ServerFacts
@@ -26,6 +28,7 @@ class PreparedModel(BaseModel):
     model_dir: Path
     total_bytes: int
     validation: ValidationReport
+    remote_code: list[str] = []  # the repo's Python files vLLM executes, consented (tasks/profiles/remote_code.py)
 
 
 class DeployResult(BaseModel):
@@ -52,19 +55,24 @@ def hardware_plan(config: DeployConfig, prepared: PreparedModel) -> HardwarePlan
 
 
 def server_config(config: DeployConfig, model_dir: Path, platform: str) -> ServerConfig:
-    """One launch of the model in `model_dir` (a prepared snapshot) with the form's engine settings."""
+    """One launch of the model in `model_dir` (a prepared snapshot) with the form's engine settings,
+    what its family needs where the form left it unset (tasks/profiles/families.py), and
+    --trust-remote-code where the repo's code needs it and the operator consented for this repo."""
+    settings, _, _ = family_settings(config.vllm, model_dir)
+    if not settings.trust_remote_code and code_in_dir(model_dir).needed and consented(config.run_dir, config.repo_id):
+        settings = settings.model_copy(update={"trust_remote_code": True})
     env = {"VLLM_ENGINE_READY_TIMEOUT_S": str(int(config.startup_timeout_s)),
            **compile_cache_env(config.run_dir / "vllm-cache", platform)}
     if platform == "cpu":
-        if config.vllm.kv_cache_memory_bytes is None:  # this legacy variable would override the flag
+        if settings.kv_cache_memory_bytes is None:  # this legacy variable would override the flag
             env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB; the default would take a large share of RAM
-        if config.vllm.cpus:  # vLLM's CPU backend binds its compute threads itself: to the same CPUs
-            env["VLLM_CPU_OMP_THREADS_BIND"] = config.vllm.cpus
-    extra_args = config.vllm.extra_args
+        if settings.cpus:  # vLLM's CPU backend binds its compute threads itself: to the same CPUs
+            env["VLLM_CPU_OMP_THREADS_BIND"] = settings.cpus
+    extra_args = settings.extra_args
     if platform == "cpu" and uses_mla(model_dir) and not any(
             a.split("=")[0].split(".")[0] in COMPILATION_FLAGS for a in extra_args):
         extra_args = [*extra_args, *CPU_MLA_ROPE_ARGS]
-    return ServerConfig(**config.vllm.model_dump(exclude={"env", "extra_args"}), env={**env, **config.vllm.env},
+    return ServerConfig(**settings.model_dump(exclude={"env", "extra_args"}), env={**env, **settings.env},
                         extra_args=extra_args, model_path=model_dir,
                         served_model_name=config.served_model_name or config.repo_id, host=config.host,
                         port=config.port)

@@ -66,6 +66,7 @@ from tasks.hub import (
 from tasks.orchestration import artifacts
 from tasks.orchestration.history import read_deploy_outcome
 from tasks.prewarm import Prewarm, prewarm
+from tasks.profiles.remote_code import code_in_dir, code_in_snapshot, require_consent
 from tasks.tuning.measure import CandidateResult, measure, refusal
 from tasks.tuning.space import Candidate
 from tasks.vllm.process import (
@@ -148,6 +149,17 @@ def validate_remote(snapshot: RepoSnapshot, endpoint: str | None) -> ValidationR
     report = validate_snapshot(snapshot, endpoint)
     artifacts.publish_validation(report, snapshot.repo_id, "remote")
     return _require_pass(report, "remote")
+
+
+@task(name="remote-code", retries=2, retry_delay_seconds=[5, 30], retry_condition_fn=_retry_transient)
+def check_remote_code(snapshot: RepoSnapshot, endpoint: str | None, *, run_dir: Path, consent: bool) -> list[str]:
+    """The repo's code that vLLM would execute, refused before any download without the operator's
+    consent (given now, or recorded for this repo); the Python files it names."""
+    code = code_in_snapshot(snapshot, endpoint)
+    line = require_consent(code, repo_id=snapshot.repo_id, commit=snapshot.commit, run_dir=run_dir, given=consent)
+    if line:
+        get_run_logger().warning(line)
+    return code.modules
 
 
 @task(name="validate-checkpoint", tags=["validate"])
@@ -250,7 +262,7 @@ def compare_with_last_good(model_dir: Path, last_good: LastGood, *, repo_id: str
     """The new revision's tokenizer, templates and configs against the last good one's, published;
     the flow decides what a failing change means (it raises before the swap)."""
     comparison = compare_files(model_dir, last_good.model_dir, last_good=last_good.what,
-                               allow_changes=spec.allow_changed_files)
+                               allow_changes=spec.allow_changed_files, code_runs=bool(code_in_dir(model_dir).needed))
     artifacts.publish_files_comparison(comparison, repo_id)
     return comparison
 
