@@ -53,7 +53,8 @@ def test_the_corpus_is_real_cited_and_large_enough():
 def test_each_failure_is_classified(path):
     cause, line = classify_failure(quoted(path))
     assert cause == expected_cause(path), f"{path.name}: {cause} from {line!r}"
-    assert line in quoted(path)
+    # The line as the log shows it, less the terminal colours a paste keeps ("ESC[1;36m", "^[[0;36m").
+    assert line in re.sub(r"(?:\x1b|\^\[|\bESC)\[[0-9;]*m", "", quoted(path))
 
 
 def test_corpus_score(capsys):
@@ -185,6 +186,7 @@ def test_next_step_for_a_kernel_build_a_config_and_an_install():
     assert "--enforce-eager" in next_step("compile-failed", fixture("compile-failed-18730.log"))
     assert "`architectures`" in next_step("model-config", fixture("model-config-2170.log"))
     assert "reinstall vLLM" in next_step("broken-install", fixture("broken-install-13074.log"))
+    assert "cannot import triton_kernels" in next_step("broken-install", fixture("broken-install-22290.log"))
 
 
 def test_next_step_for_a_flag_the_model_needs_or_cannot_take():
@@ -206,10 +208,12 @@ def test_next_step_for_flags_that_contradict_each_other_or_the_checkpoint():
 
 
 def test_a_traceback_cut_before_its_exception_is_still_an_error():
-    log = '(EngineCore_0 pid=3966)   File "/x/vllm/v1/worker/gpu_worker.py", line 1, in load_model\n    foo()'
-    assert classify_failure(log) == ("exited", '(EngineCore_0 pid=3966)   File "/x/vllm/v1/worker/gpu_worker.py", '
-                                               'line 1, in load_model')
+    log = '[rank0]:   File "/x/serve.py", line 1, in main\n[rank0]:     foo()'
+    assert classify_failure(log) == ("exited", '[rank0]:   File "/x/serve.py", line 1, in main')
     assert failure_cause(log) == "exited"
+    # Through the code that builds the engine (its workers, model construction), it is the engine's death.
+    frame = '(EngineCore_0 pid=3966)   File "/x/vllm/v1/worker/gpu_worker.py", line 1, in load_model'
+    assert classify_failure(frame + "\n    foo()") == ("engine-failed", frame)
 
 
 def test_a_failed_start_carries_its_next_step_into_the_error_and_the_artifact(tmp_path, monkeypatch):

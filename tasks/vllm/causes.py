@@ -64,13 +64,16 @@ FAILURE_CAUSES = [
     ("weights-mismatch", (r"KeyError: '\w+(?:\.\w+)*\.\d+\.[\w.]+'?|KeyError: '[\w.]+\.(?:weight|bias)'|"
                           r"\] '\w+(?:\.\w+)*\.\d+\.[\w.]+'\s*$|"
                           r"no module or parameter named|param = params_dict\[name\]")),
-    # vLLM's compiled ops do not load: a wheel built against another torch or CUDA, or a partial install.
+    # vLLM's compiled ops do not load: a wheel built against another torch or CUDA, or a partial install;
+    # or a package the start imports is missing or of another version (raised, not a logged fallback).
     ("broken-install", (r"'_OpNamespace' '\w+' object has no attribute|undefined symbol: |"
+                        r"ModuleNotFoundError: No module named|ImportError: cannot import name|"
                         r"No module named '(?:vllm\.)?_\w*C'|No module named 'vllm(?:\.(?!_version)\w+)*'|"
                         r"cannot open shared object file")),
     # ROCm words the same errors as HIP's: "HIP error: invalid argument", hipErrorNoBinaryForGpu.
     ("cuda-kernel-error", (r"illegal memory access|no kernel image is available|AcceleratorError|"
-                           r"\b(?:CUDA|HIP) error\b|\bhipError\w+|"
+                           r"\b(?:CUDA|HIP) error\b|\bhipError\w+|(?:CUDA|HIP) kernel errors might be asynchronously|"
+                           r"TORCH_USE_(?:CUDA|HIP)_DSA|"
                            r"\bcudaError\w+|CUDA_ERROR_\w+|misaligned address|device-side assert(?:ion)? triggered|"
                            r"illegal instruction|unspecified launch failure|"
                            r"out of resource: shared memory|OutOfResources")),
@@ -106,8 +109,9 @@ FRAMES = [
                                       r"\s*$")),
     # vLLM's CUDA top-k/top-p sampler is FlashInfer's, which builds its module on first use, in the
     # engine's dummy sampler run: a start that dies in it (with no other cause named) died building it.
-    ("compile-failed", re.compile(r"torch/_inductor/(?:compile_fx|graph|scheduler|codecache|async_compile)\.py\", "
-                                  r"line \d+|flashinfer/jit/|\.build_and_load\(\)|\b_?run_ninja(?:_build)?\b|"
+    ("compile-failed", re.compile(r"torch/_inductor/(?:compile_fx|graph|scheduler|codecache|async_compile|lowering|"
+                                  r"codegen/\w+)\.py\", line \d+|flashinfer/jit/|\.build_and_load\(\)|"
+                                  r"\b_?run_ninja(?:_build)?\b|"
                                   r", in _jit_compile\b|\bflashinfer_sample\(|flashinfer/sampling\.py\"|"
                                   r"\bget_sampling_module\b|self\.topk_topp_sampler\(|"
                                   r"topk_topp_sampler\.py\", line \d+, in forward_cuda|"
@@ -125,13 +129,17 @@ ENGINE_FAILED = re.compile(r"EngineCore failed to start|Engine core initializati
                            r"exception|EngineCore hit an exception|Engine process failed to start|"
                            r"Got fatal signal from worker processes|Worker failed with error|Error executing method|"
                            r"A worker died or was killed|RayActorError|The actor died unexpectedly|"
-                           r"Exception in worker \w+ while processing method", re.IGNORECASE)
+                           r"Exception in worker \w+ while processing method|"
+                           r"Unhandled error .*ray::\w+\.\w+\(\)", re.IGNORECASE)
 # A quote that holds only the engine's traceback, without the wrapper's line, shows the same death: the
-# engine core's and its workers' start-up error logs, V1 and V0 (run_mp_engine logs as "[engine.py:N]").
+# engine core's and its workers' start-up error logs, V1 and V0 (run_mp_engine logs as "[engine.py:N]",
+# some set-ups log the file's path: "[v1/executor/multiproc_executor.py:597]"), or frames in the packages
+# that build and run the engine (its executor, workers, model construction and loading).
 ENGINE_FRAME = re.compile(r", in run_engine_core\b|vllm/v1/engine/core\.py\", line \d+, in |"
-                          r"\(EngineCore\w* pid=\d+\) ERROR [\d-]+ [\d:]+ \[core\.py:\d+\]|"
+                          r"\(EngineCore\w* pid=\d+\) ERROR [\d-]+ [\d:]+ \[(?:[\w/]+/)?core\.py:\d+\]|"
                           r"\((?:Worker|VllmWorker)\w*[^)]*pid=\d+\) ERROR [\d-]+ [\d:]+ "
-                          r"\[multiproc_executor\.py:\d+\]|"
+                          r"\[(?:[\w/]+/)?multiproc_executor\.py:\d+\]|"
+                          r"vllm/(?:v1/)?(?:engine|executor|worker|model_executor)/[\w/]+\.py\", line \d+|"
                           r", in run_mp_engine\b|engine/multiprocessing/engine\.py\", line \d+|"
                           r"vllm/engine/llm_engine\.py\", line \d+, in (?:__init__|_initialize_kv_caches)\b|"
                           r"ERROR [\d-]+ [\d:]+ \[?(?:multiproc_worker_utils|engine)\.py:\d+\]")
@@ -274,6 +282,16 @@ def _unsupported_step(log: str) -> str:
             "kernel for this GPU")
 
 
+def _install_step(log: str) -> str:
+    if m := re.search(r"ModuleNotFoundError: No module named '([\w.]+)'", log):
+        if not m[1].startswith("vllm"):
+            return (f"Python cannot import {m[1].split('.')[0]}, which this start needs: install the version that "
+                    "this vLLM pins (its requirements, or the extra the model card names) in vLLM's environment")
+    return ("vLLM's compiled kernels do not load here: the vLLM wheel was built for another torch or CUDA, "
+            "or the install is partial; reinstall vLLM in a fresh environment with the torch it pins, "
+            "and do not upgrade torch over it")
+
+
 def _compile_step(log: str) -> str:
     if re.search(r"flashinfer|topk_topp_sampler", log, re.IGNORECASE):
         return ("FlashInfer's JIT could not build a kernel: install a CUDA toolkit (nvcc) that knows this GPU and "
@@ -311,9 +329,7 @@ NEXT_STEPS: dict[str, str | Callable[[str], str]] = {
     "not-enough-gpus": "vLLM was asked for more GPUs than this process can see: check CUDA_VISIBLE_DEVICES and the "
                        "container's GPUs (nvidia-smi inside it), that --tensor-parallel-size x "
                        "--pipeline-parallel-size fits them, and for Ray that every node joined with its GPUs",
-    "broken-install": "vLLM's compiled kernels do not load here: the vLLM wheel was built for another torch or CUDA, "
-                      "or the install is partial; reinstall vLLM in a fresh environment with the torch it pins, "
-                      "and do not upgrade torch over it",
+    "broken-install": _install_step,
     "cuda-kernel-error": _kernel_step,
     "compile-failed": _compile_step,
     "unsupported-model": _unsupported_step,

@@ -22,8 +22,8 @@ __all__ = ["classify_failure", "failure_cause", "log_tail", "next_step", "read_f
 LOG_TAIL_LINES = 60
 NO_ERROR_LINE = "no error line in the log"
 
-# Terminal colours vLLM writes around its process prefixes, raw or as pasted into an issue ("^[[0;36m").
-_COLOUR = re.compile(r"\x1b\[[0-9;]*m|\^\[\[[0-9;]*m")
+# Terminal colours vLLM writes around its process prefixes, raw or as pasted ("^[[0;36m", "ESC[1;36m").
+_COLOUR = re.compile(r"(?:\x1b|\^\[|\bESC)\[[0-9;]*m")
 # A log level as vLLM ("INFO 10-11 10:42:14 [file.py:1]"), uvicorn ("ERROR:    ..."), Python's logging
 # ("- INFO - "), torch's glog ("[W1224 08:50:36", "W0509 04:43:46") and NCCL ("NCCL INFO") write it.
 _LEVEL = re.compile(
@@ -37,7 +37,7 @@ QUIET = {"DEBUG", "INFO", "WARNING", "WARN"}
 # The engine's and the workers' process prefixes; the API server's is "(APIServer pid=1)".
 _ENGINE = re.compile(r"\((?:EngineCore\w*|Worker\w*|VllmWorker\w*(?: rank=\d+)?|RayWorker\w*|"
                      r"VllmWorkerProcess) pid=\d+")
-_FRAME = re.compile(r'(?:\([^)]*pid=\d+\)\s*)*File "[^"]+", line \d+, in ')
+_FRAME = re.compile(r'(?:\[rank\d+\]:\s*)?(?:\([^)]*pid=\d+\)\s*)*File "[^"]+", line \d+, in ')
 _EXCEPTION = re.compile(r"(?:^|[\s\]>)])(?:[\w.]+\.)?[A-Z]\w*(?:Error|Exception|Exit)\b(?::|$)")
 
 @dataclass(frozen=True)
@@ -94,8 +94,8 @@ def classify_failure(log: str) -> tuple[str, str]:
                 or [ln for ln in errors if ENGINE_FRAME.search(ln.text)]):
         # The wrapper says that the engine died; the exception it printed before, where there is one,
         # says why ("RuntimeError: Invalid device string: 'cuda:cpu'" under "EngineCore failed to start").
-        raised = [ln for ln in errors
-                  if ln.engine and _EXCEPTION.search(ln.text) and not ENGINE_FAILED.search(ln.text)]
+        raised = [ln for ln in errors if _EXCEPTION.search(ln.text) and not ENGINE_FAILED.search(ln.text)]
+        raised = [ln for ln in raised if ln.engine] or raised
         return "engine-failed", raised[-1].text if raised else _pick(hits)
     exceptions = [ln for ln in errors if _EXCEPTION.search(ln.text)]
     shouted = [ln for ln in errors if ln.level in ("ERROR", "CRITICAL")]
