@@ -95,11 +95,22 @@ class ProbeResult(BaseModel):
     correct: bool
     last_good: str | None = None  # the last good deployment's output for the same prompt
     chat: bool = False  # asked through /v1/chat/completions as the user's message
+    out_of_budget: bool = False  # max_tokens ran out while the model still reasoned: no answer to score
+
 
     @property
     def key(self) -> str:
         """The probe's name in a baseline's outputs: a chat probe is told from its completion twin."""
         return f"[chat] {self.prompt}" if self.chat else self.prompt
+
+
+class ChatModes(BaseModel):
+    """How the model's chat template turns thinking off and on (`chat_template_kwargs`, from its
+    family's profile): the probes are asked `instant`, the reasoning probe `thinking`. None: the
+    template's default, for a model with no switch."""
+
+    instant: dict | None = None
+    thinking: dict | None = None
 
 
 class AnswerBaseline(BaseModel):
@@ -200,11 +211,20 @@ def judge(results: list[ProbeResult], *, perplexity: float | None, thresholds: A
     decoding of the same numbers has no noise to hide in. Under new weights some probes flip either
     way by chance, so the flips fail only when right-to-wrong outnumber wrong-to-right beyond chance
     (exact McNemar, one-sided, at `max_flip_p`): a new model as good as the last one fails this at
-    most that often, and one unchanged never does."""
+    most that often, and one unchanged never does. A probe whose tokens ran out while the model was
+    still reasoning has no answer: it is left out of the scores and named as the budget it is."""
+    cut = [r for r in results if r.out_of_budget]
+    results = [r for r in results if not r.out_of_budget]
+    budget = [f"{len(cut)} chat probes spent their {thresholds.max_tokens} tokens reasoning and gave no answer: the "
+              "template thinks by default (asked in instant mode where the model's family has a switch) or "
+              "answers.max_tokens is too small"] if cut else []
+    if not results:
+        return AnswerReport(results=cut, accuracy=0.0, perplexity=perplexity, repeated_ngrams=0.0, outputs={},
+                            last_good=last_good, problems=budget)
     outputs = [r.output for r in results]
     accuracy = sum(r.correct for r in results) / len(results)
     repeated = _repeated_ngrams(outputs)
-    problems = degeneration(outputs)
+    problems = budget + degeneration(outputs)
     if accuracy < thresholds.min_accuracy:
         problems.append(f"accuracy {accuracy:.0%} below {thresholds.min_accuracy:.0%}")
     if last_good is not None:
@@ -228,7 +248,7 @@ def judge(results: list[ProbeResult], *, perplexity: float | None, thresholds: A
         changed = sum(r.output != r.last_good for r in compared)
         if same_commit and compared and changed / len(compared) > thresholds.max_changed_outputs:
             problems.append(f"same commit, {changed} of {len(compared)} greedy outputs changed")
-    return AnswerReport(results=results, accuracy=accuracy, perplexity=perplexity, repeated_ngrams=repeated,
+    return AnswerReport(results=results + cut, accuracy=accuracy, perplexity=perplexity, repeated_ngrams=repeated,
                         outputs={r.key: r.output for r in results}, last_good=last_good, problems=problems)
 
 
@@ -236,19 +256,33 @@ def _client(base_url: str, api_key: str | None, timeout_s: float) -> OpenAI:
     return OpenAI(base_url=f"{base_url}/v1", api_key=api_key or "EMPTY", max_retries=2, timeout=timeout_s)
 
 
+def _thinking_only(done) -> bool:
+    """A chat reply whose tokens ran out inside the reasoning: no content, a thought, cut by length."""
+    if not done.choices:
+        return False
+    choice = done.choices[0]
+    extra = choice.message.model_extra or {}
+    thought = extra.get("reasoning") or extra.get("reasoning_content") or ""
+    return choice.finish_reason == "length" and not (choice.message.content or "").strip() and bool(thought.strip())
+
+
 def ask(base_url: str, model: str, probes: list[Probe], *, api_key: str | None = None, max_tokens: int = 16,
-        timeout_s: float = 120.0, chat: bool = False) -> list[ProbeResult]:
+        timeout_s: float = 120.0, chat: bool = False, chat_template_kwargs: dict | None = None) -> list[ProbeResult]:
     """Each probe's greedy answer: a completion of its prompt, or with `chat` the reply to it as a
-    user's message through the chat template vLLM serves. A server that refuses is an
-    AnswerCheckFailed in its words."""
+    user's message through the chat template vLLM serves (with `chat_template_kwargs`, e.g. Kimi's
+    instant mode). A server that refuses is an AnswerCheckFailed in its words."""
     client = _client(base_url, api_key, timeout_s)
+    extra_body = {"chat_template_kwargs": chat_template_kwargs} if chat_template_kwargs else None
     results = []
     for probe in probes:
+        thinking_only = False
         try:
             if chat:
                 done = client.chat.completions.create(model=model, max_tokens=max_tokens, temperature=0.0,
-                                                      messages=[{"role": "user", "content": probe.prompt}])
+                                                      messages=[{"role": "user", "content": probe.prompt}],
+                                                      extra_body=extra_body)
                 output = (done.choices[0].message.content or "") if done.choices else ""
+                thinking_only = _thinking_only(done)
             else:
                 done = client.completions.create(model=model, prompt=probe.prompt, max_tokens=max_tokens,
                                                  temperature=0.0)
@@ -257,7 +291,7 @@ def ask(base_url: str, model: str, probes: list[Probe], *, api_key: str | None =
             raise AnswerCheckFailed(f"{base_url} refused the {'chat' if chat else 'answer'} probe "
                                     f"{probe.prompt[:40]!r}: {str(exc).splitlines()[0]}") from exc
         results.append(ProbeResult(prompt=probe.prompt, expected=probe.expected, output=output, chat=chat,
-                                   correct=_scored(output, probe.expected, chat=chat)))
+                                   correct=_scored(output, probe.expected, chat=chat), out_of_budget=thinking_only))
     return results
 
 
@@ -269,12 +303,14 @@ REASONING_PROBE = Probe(prompt="What is 17 + 25? Think it through, then give the
 
 
 def ask_parsers(base_url: str, model: str, *, tools: bool, reasoning: bool, api_key: str | None = None,
-                max_tokens: int = 1024, timeout_s: float = 300.0) -> tuple[list[ProbeResult], list[str]]:
+                max_tokens: int = 1024, timeout_s: float = 300.0,
+                modes: ChatModes | None = None) -> tuple[list[ProbeResult], list[str]]:
     """One probe through each parser the server was started with: a tool call that must come back
     parsed (`tool_calls`, a get_weather call with a city), and a question whose reasoning must come
     back apart from its answer. A wrong parser leaves the model's raw markup in the content: the
     answers look fine to a completion probe and every client's tool call fails."""
     client = _client(base_url, api_key, timeout_s)
+    modes = modes or ChatModes()
     results, problems = [], []
     try:
         if tools:
@@ -296,7 +332,13 @@ def ask_parsers(base_url: str, model: str, *, tools: bool, reasoning: bool, api_
         if reasoning:
             done = client.chat.completions.create(
                 model=model, messages=[{"role": "user", "content": REASONING_PROBE.prompt}], temperature=0.0,
-                max_tokens=max_tokens)
+                max_tokens=max_tokens, extra_body={"chat_template_kwargs": modes.thinking} if modes.thinking else None)
+            if _thinking_only(done):  # the budget, not the answer: said as such
+                results.append(ProbeResult(prompt=f"[reasoning] {REASONING_PROBE.prompt}", output="", correct=False,
+                                           expected=REASONING_PROBE.expected, chat=True, out_of_budget=True))
+                problems.append(f"the reasoning probe was still thinking when its {max_tokens} tokens ran out: no "
+                                "answer to judge (answers.reasoning_max_tokens sizes the budget)")
+                return results, problems
             message = done.choices[0].message
             extra = message.model_extra or {}
             thought = extra.get("reasoning") or extra.get("reasoning_content") or ""

@@ -19,6 +19,9 @@ class AnswerSpec(BaseModel):
     reference_text: str | None = Field(None, description="Text whose perplexity is compared with the last good "
                                        "deployment's; empty: a built-in sentence")
     max_tokens: int = Field(16, ge=1, description="Tokens generated per probe")
+    reasoning_max_tokens: int = Field(1024, ge=1, description="Tokens the reasoning probe may spend thinking and "
+                                      "answering, with a reasoning parser; a thought that does not end within "
+                                      "them is reported as the budget, not as a wrong answer")
     chat: bool = Field(True, description="Ask the probes through the chat endpoint too, in the model's chat "
                        "template, where the model ships one")
     min_accuracy: float = Field(0.8, ge=0, le=1, description="Share of probes answered right, at least")

@@ -66,6 +66,7 @@ from tasks.hub import (
 from tasks.orchestration import artifacts
 from tasks.orchestration.history import read_deploy_outcome
 from tasks.prewarm import Prewarm, prewarm
+from tasks.profiles.families import chat_modes
 from tasks.profiles.remote_code import code_in_dir, code_in_snapshot, require_consent
 from tasks.tuning.measure import CandidateResult, measure, refusal
 from tasks.tuning.space import Candidate
@@ -278,7 +279,7 @@ def answer_check(base_url: str, model: str, spec: AnswerSpec, *, model_dir: Path
                            vocab_size=vocab_size,
                            tools=bool(settings and settings.enable_auto_tool_choice and settings.tool_call_parser),
                            reasoning=bool(settings and settings.reasoning_parser),
-                           max_num_seqs=settings.max_num_seqs if settings else None)
+                           max_num_seqs=settings.max_num_seqs if settings else None, modes=chat_modes(model_dir))
     artifacts.publish_answers(report, repo_id)
     return report
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from tasks.answers.check import ChatModes
 from tasks.vllm.settings import VllmSettings
 
 
@@ -35,11 +36,10 @@ class ModelProfile(BaseModel):
     native_config: bool = False
     # Multimodal settings: flags of a vision encoder (the recipe's data-parallel encoder under TP).
     multimodal_args: list[str] = Field(default_factory=list)
-    # The chat template's switch: probes asked with `instant` get the answer with no thinking first;
-    # the reasoning probe is asked with `thinking`, in a budget sized for a thought.
+    # The chat template's switch (chat_template_kwargs): probes are asked `instant`, for the answer
+    # with no thinking first; the reasoning probe `thinking`, in AnswerSpec.reasoning_max_tokens.
     instant: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
-    thinking_budget_tokens: int = 512
     # Layouts a tune run tries first on an 8-GPU box (TuneSpace candidates' engine settings).
     tune_layouts: list[dict[str, Any]] = Field(default_factory=list)
 
@@ -127,3 +127,9 @@ def family_line(settings: VllmSettings, model_dir) -> str | None:
     if profile is None or not added:
         return None
     return f"{profile.name} family: served with {' '.join(added)} (its profile; a flag given on the form wins)"
+
+
+def chat_modes(model_dir) -> ChatModes:
+    """How the answer check asks this checkpoint's chat template for no thinking, and for thinking."""
+    profile = profile_for(model_config(model_dir))
+    return ChatModes(instant=profile.instant, thinking=profile.thinking) if profile else ChatModes()
