@@ -59,7 +59,8 @@ def status(models_root: ModelsRoot = Path("/models"),
         fail(exc)
     if as_json:
         typer.echo(json.dumps({"exit_code": found.exit_code, "server": found.state, "alive_pgid": found.alive_pgid,
-                               "models": found.answers,
+                               "models": found.answers, "unfinished_swap": found.unfinished_swap,
+                               "rollback_to": back.what if (back := found.rollback_target()) else None,
                                "last_good": found.last_good.model_dump(mode="json") if found.last_good else None},
                               indent=2))
     else:

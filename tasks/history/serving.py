@@ -12,6 +12,7 @@ import httpx
 
 from tasks.errors import UnusableInput, first_line
 from tasks.history.last_good import LastGood, read_last_good, read_previous_good
+from tasks.history.swap import abandoned_swap
 from tasks.history.tuned import TunedSettings, read_tuned
 from tasks.trust import read_state_text
 from tasks.vllm.process import serving_group, stop_group, vllm_groups
@@ -33,21 +34,42 @@ class HostStatus:
     last_good: LastGood | None
     previous_good: LastGood | None
     tuned: TunedSettings | None
+    unfinished_swap: dict | None = None  # swap.json of a deploy that died mid-swap
 
     @property
     def exit_code(self) -> int:
+        if self.unfinished_swap is not None:
+            return DEAD
         if self.state is None:
             return NOTHING
         return SERVING if self.alive_pgid is not None and self.answers else DEAD
 
     @property
     def is_last_good(self) -> bool:
-        return self.alive_pgid is not None and self.last_good is not None and \
-            self.last_good.serving_pgid == self.alive_pgid
+        """Whether the recorded server is the last good deployment's: alive or dead, it is the one
+        last-good.json names (its process group), or was launched from the same command."""
+        if self.state is None or self.last_good is None:
+            return False
+        if self.last_good.serving_pgid is not None:
+            return self.last_good.serving_pgid == self.state.get("pgid")
+        return self.alive_pgid is None and _flag(self.state.get("command", []), "--model") == str(
+            self.last_good.model_dir)
+
+    def rollback_target(self) -> LastGood | None:
+        """What `rollout rollback` would start: the last good deployment where it does not serve,
+        the good one before it where it does (flows/operate.py, rollback_model)."""
+        if self.last_good is None:
+            return None
+        serving_last_good = self.alive_pgid is not None and self.last_good.serving_pgid == self.alive_pgid
+        return self.previous_good if serving_last_good else self.last_good
 
     def lines(self) -> list[str]:
         """The status in words, verdict first."""
         state, good = self.state, self.last_good
+        swap = self.unfinished_swap
+        first = [f"UNFINISHED SWAP: the deploy of {swap.get('what')} (pid {swap.get('deploy_pid')}) died mid-swap; "
+                 f"its guard brings the last good deployment back, or run `rollout recover --models-root "
+                 f"{swap.get('models_root') or self.run_dir.parent}`"] if swap else []
         if state is None:
             head = [f"nothing serves: no server recorded in {self.run_dir / 'server.json'}"]
         else:
@@ -76,11 +98,11 @@ class HostStatus:
                 if record.answers is not None:
                     head.append(f"  answers:  {record.answers.accuracy:.0%} of {len(record.answers.outputs)} probes "
                                 "right")
-        if self.previous_good is not None:
-            head.append(f"  rollback to: {self.previous_good.what} (`rollout rollback`)")
+        if (back := self.rollback_target()) is not None:
+            head.append(f"  rollback to: {back.what} (`rollout rollback`)")
         if self.tuned is not None:
             head.append(f"  tuned:    {self.tuned.candidate} (promoted {self.tuned.time:%Y-%m-%d %H:%M} UTC)")
-        return head
+        return first + head
 
 
 STATE_FILES = ("server.json", "last-good.json")
@@ -153,4 +175,4 @@ def host_status(run_dir: Path, timeout_s: float = 5.0) -> HostStatus:
     last = read_last_good(run_dir)
     return HostStatus(run_dir=run_dir, state=state, alive_pgid=alive, answers=answers, last_good=last,
                       previous_good=read_previous_good(run_dir),
-                      tuned=read_tuned(run_dir, last.repo_id) if last else None)
+                      tuned=read_tuned(run_dir, last.repo_id) if last else None, unfinished_swap=abandoned_swap(run_dir))
