@@ -119,6 +119,17 @@ class BenchmarkFailed(RolloutError):
     stage = "the benchmark"
 
 
+class ServerDied(RolloutError):
+    """The server died while it was checked or benchmarked: the death (exit code or signal) is the
+    cause, and what the client saw ("every request failed ...: ReadError") only its symptom."""
+
+    stage = "the server"
+
+    def __init__(self, message: str, log_tail: str = ""):
+        super().__init__(message)
+        self.log_tail = log_tail
+
+
 class RegressionError(RolloutError):
     """A run benchmarks worse than the last good run of the same model on the same GPUs, beyond the
     allowed threshold."""

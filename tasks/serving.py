@@ -10,13 +10,16 @@ rules apply (the deploy's against the last good deployment, tune's against the m
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from tasks.bench.results import LevelResult
 from tasks.bench.spec import BenchSpec
 from tasks.bench.sweep import knee, single_stream, sweep
-from tasks.vllm.process import ServerHandle, stop_server
+from tasks.errors import RolloutError, ServerDied, first_line
+from tasks.vllm.log import log_tail
+from tasks.vllm.process import ServerHandle, stop_server, vllm_group
 
 
 @dataclass(frozen=True)
@@ -57,13 +60,39 @@ class Serving:
     def __exit__(self, exc_type, exc, tb) -> None:
         if self.handle is None:
             return
+        died = server_death(self.handle) if exc_type is not None and issubclass(exc_type, Exception) else None
         if exc_type is not None:
             stop_server(self.handle)
         elif not self.keep_serving:
             self._stop(self.handle)
+        if died is not None:  # the cause, not its symptom: what failed in the block is said after it
+            tail = log_tail(self.handle.log_path)
+            last = next((line for line in reversed(tail.splitlines()) if line.strip()), "")
+            raise ServerDied(f"the vLLM server at {self.handle.base_url} died during {getattr(exc, 'stage', 'its run')}"
+                             f" ({died}): {_said(exc)}" + (f"; its log ends: {last.strip()[:200]}" if last else ""),
+                             log_tail=tail) from exc
 
     def sweep(self, spec: BenchSpec, level: Callable[[int], LevelResult]) -> Sweep:
         """Every level in order until one stops the sweep (`tasks/bench/sweep.py`)."""
         stops: list[str] = []
         rows = sweep(spec, level, stops.append)
         return Sweep(rows=rows, stop=stops[0] if stops else None)
+
+
+def _said(exc: BaseException) -> str:
+    """What the failed step said: its own words for our errors, the class too for anything else."""
+    return (str(exc).splitlines() or [""])[0] if isinstance(exc, RolloutError) else first_line(exc)
+
+
+def server_death(handle: ServerHandle) -> str | None:
+    """How the server's process died (its exit code, or the signal that killed it), or None while it
+    runs: asked of the process where this run started it, of its process group where it adopted it."""
+    if handle.process is not None:
+        code = handle.process.poll()
+        if code is None:
+            return None
+        if code < 0:
+            return f"killed by signal {-code}, {signal.Signals(-code).name}" if -code in signal.valid_signals() \
+                else f"killed by signal {-code}"
+        return f"exited with code {code}"
+    return None if vllm_group(handle.pgid) else f"its process group {handle.pgid} is gone"
