@@ -164,6 +164,7 @@ def test_next_step_for_the_other_causes():
     assert "--enforce-eager" in next_step("cuda-kernel-error", fixture("cuda-kernel-error-26558.log"))
     assert "PIECEWISE" in next_step("cuda-graph-capture", fixture("cuda-graph-capture-48749.log"))
     assert "gfx target" in next_step("cuda-kernel-error", fixture("cuda-kernel-error-32895.log"))
+    assert "upgrade the driver" in next_step("cuda-driver", fixture("cuda-driver-74.log"))
     step = next_step("unsupported-model", fixture("unsupported-model-21.log"))
     assert "--trust-remote-code" in step and "transformers" in step
     for path in FAILURES:

@@ -31,6 +31,12 @@ FAILURE_CAUSES = [
     ("not-enough-gpus", (r"number of required GPUs exceeds|must be less than or equal to the number of visible devices|"
                          r"No CUDA GPUs are available|has no GPU available|does not allocate any GPUs")),
     ("max-model-len-too-long", r"max_model_len \(\d+\) is greater than the derived"),
+    # The NVIDIA driver cannot run this build's CUDA (too old, missing in the container, a broken
+    # driver/library pair, NVSwitch's fabric manager not up): before the generic CUDA error it comes in.
+    ("cuda-driver", (r"CUDA driver version is insufficient|NVIDIA driver on your system is too old|"
+                     r"Found no NVIDIA driver|unsupported display driver / cuda driver combination|"
+                     r"forward compatibility was attempted on non supported HW|Error 802: system not yet "
+                     r"initialized|Unexpected error from cudaGetDeviceCount|cudaErrorInsufficientDriver")),
     # The checkpoint's own files: a config missing, not JSON or naming no architecture, no weights where
     # vLLM looks. vLLM raises some inside its pydantic ModelConfig check, so they come before the
     # ValidationError catch-all at the end.
@@ -40,7 +46,7 @@ FAILURE_CAUSES = [
                       r"config\.json\W*(?:not found|does not exist)|No supported config format found|"
                       r"Could not detect config format|does not appear to have a file named|"
                       r"Cannot find any model weights|Failed to load the tokenizer|Can't load tokenizer|"
-                      r"No tokenizer file found")),
+                      r"No tokenizer file found|SafetensorError|Error while deserializing header")),
     # The GPU is older than what the checkpoint's quantization, dtype or kernel needs; checked before the
     # generic "not supported" of unsupported-model and before a Triton CompilationError that only wraps it.
     ("gpu-capability", (r"not supported for the current GPU|(?:Min(?:imum)?|Current) capability: \d+|"
@@ -110,8 +116,8 @@ FRAMES = [
     # vLLM's CUDA top-k/top-p sampler is FlashInfer's, which builds its module on first use, in the
     # engine's dummy sampler run: a start that dies in it (with no other cause named) died building it.
     ("compile-failed", re.compile(r"torch/_inductor/(?:compile_fx|graph|scheduler|codecache|async_compile|lowering|"
-                                  r"codegen/\w+)\.py\", line \d+|flashinfer/jit/|\.build_and_load\(\)|"
-                                  r"\b_?run_ninja(?:_build)?\b|"
+                                  r"codegen/\w+)\.py\", line \d+|triton/compiler/compiler\.py\", line \d+|"
+                                  r"flashinfer/jit/|\.build_and_load\(\)|\b_?run_ninja(?:_build)?\b|"
                                   r", in _jit_compile\b|\bflashinfer_sample\(|flashinfer/sampling\.py\"|"
                                   r"\bget_sampling_module\b|self\.topk_topp_sampler\(|"
                                   r"topk_topp_sampler\.py\", line \d+, in forward_cuda|"
@@ -130,7 +136,7 @@ ENGINE_FAILED = re.compile(r"EngineCore failed to start|Engine core initializati
                            r"Got fatal signal from worker processes|Worker failed with error|Error executing method|"
                            r"A worker died or was killed|RayActorError|The actor died unexpectedly|"
                            r"Exception in worker \w+ while processing method|"
-                           r"Unhandled error .*ray::\w+\.\w+\(\)", re.IGNORECASE)
+                           r"Unhandled error .*ray::\w+\.\w+\(\)|Worker unexpectedly exits", re.IGNORECASE)
 # A quote that holds only the engine's traceback, without the wrapper's line, shows the same death: the
 # engine core's and its workers' start-up error logs, V1 and V0 (run_mp_engine logs as "[engine.py:N]",
 # some set-ups log the file's path: "[v1/executor/multiproc_executor.py:597]"), or frames in the packages
@@ -313,6 +319,10 @@ NEXT_STEPS: dict[str, str | Callable[[str], str]] = {
                     "files and its weights (an interrupted download, an adapter-only or tokenizer-only repo has "
                     "neither), or point "
                     "--hf-config-path at the config",
+    "cuda-driver": "the NVIDIA driver cannot run this build's CUDA: compare nvidia-smi's \"CUDA Version\" (the newest "
+                   "it runs) with torch.version.cuda, then upgrade the driver or install a vLLM/torch build for an "
+                   "older CUDA; in a container use the NVIDIA runtime (--gpus all); on NVSwitch machines error 802 "
+                   "means nvidia-fabricmanager is not running",
     "gpu-capability": _gpu_step,
     "out-of-memory": _memory_step,
     "kv-cache-too-small": _kv_cache_step,
