@@ -1,5 +1,7 @@
 """A hub that lies, built on the tests' faulty hub: what an attacker who answers for HF_ENDPOINT (a
-wrong endpoint, a compromised mirror, a man in the middle on plain HTTP) can send.
+wrong endpoint, a compromised mirror, a man in the middle on plain HTTP) can send. It answers a
+made-up repo's files at any URL that ends in their names, as such a hub would, whatever the commit
+in the URL turned into.
 
 Beside the real repos under its root it serves made-up ones (`fake`): their API answer says what
 the test wants (a commit sha that is a path, names with NUL, hashes that are paths, an answer that
@@ -127,6 +129,10 @@ class HostileHandler(FaultyHandler):
             if (fake := hub.fakes.get(m["repo"])) and (body := fake.files.get(m["file"]) or
                                                       fake.unlisted.get(m["file"])):
                 self._fake_file(m["file"], body)
+                return
+        for fake in hub.fakes.values():  # whatever URL a lie about the commit made: a hub answers it
+            if rel := next((r for r in fake.files if path.endswith("/" + r)), None):
+                self._fake_file(rel, fake.files[rel])
                 return
         super()._serve()
 
