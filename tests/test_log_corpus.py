@@ -194,6 +194,8 @@ def test_next_step_for_a_flag_the_model_needs_or_cannot_take():
     step = next_step("invalid-argument", fixture("invalid-argument-2652.log"))
     assert "--tensor-parallel-size 8 does not divide the model's 52 attention heads" in step and "(1, 2, 4)" in step
     assert "--trust-remote-code" in next_step("invalid-argument", fixture("invalid-argument-5244.log"))
+    step = next_step("invalid-argument", fixture("invalid-argument-3304.log"))
+    assert "takes no argument worker_extension_cls" in step and "another vLLM version" in step
     step = next_step("cuda-kernel-error", fixture("cuda-kernel-error-461.log"))
     assert "263168 bytes of shared memory, this GPU has 232448" in step
 

@@ -26,7 +26,8 @@ FAILURE_CAUSES = [
                           r"set the option `?trust_remote_code=True|consider setting `?trust_remote_code=True|"
                           r"requires you to execute the configuration file|contains custom code which must be "
                           r"executed|max_num_batched_tokens \(\d+\) is smaller than max_model_len|"
-                          r"does not match the quantization method specified")),
+                          r"does not match the quantization method specified|"
+                          r"got an unexpected keyword argument")),
     # More GPUs asked for than this process can see (CUDA_VISIBLE_DEVICES, the container, Ray's placement).
     ("not-enough-gpus", (r"number of required GPUs exceeds|must be less than or equal to the number of visible devices|"
                          r"No CUDA GPUs are available|has no GPU available|does not allocate any GPUs")),
@@ -50,6 +51,7 @@ FAILURE_CAUSES = [
     # The GPU is older than what the checkpoint's quantization, dtype or kernel needs; checked before the
     # generic "not supported" of unsupported-model and before a Triton CompilationError that only wraps it.
     ("gpu-capability", (r"not supported for the current GPU|(?:Min(?:imum)?|Current) capability: \d+|"
+                        r"Bfloat16 is only supported on GPUs|"
                         r"compute capability (?:of at least|below|>=?) ?\d|"
                         r"only supports? \w+ GPUs or newer|not supported in this architecture|"
                         r"(?:not supported|unsupported) on (?:this|your|the current) GPU|"
@@ -60,7 +62,9 @@ FAILURE_CAUSES = [
     ("kv-cache-too-small", (r"KV cache is needed, which is larger than the available KV cache memory|larger than the "
                             r"maximum number of tokens that can be stored in KV cache|No available memory for the "
                             r"cache blocks|To serve at least one request with the models?'s max seq len")),
-    ("nccl", r"NCCL error|nccl\w*Error\b|ncclInternalError|ncclSystemError"),
+    # torch's NCCL watchdog: a collective that never completed (a rank that never joined, a hung link).
+    ("nccl", (r"NCCL error|nccl\w*Error\b|ncclInternalError|ncclSystemError|"
+              r"Watchdog caught collective operation timeout|ncclCommWatchdog|ProcessGroupNCCL's watchdog")),
     ("cuda-graph-capture", (r"cudaErrorStreamCapture|CUDA_ERROR_STREAM_CAPTURE|when stream is capturing|due to a "
                             r"previous error during capture|CUDAGraphMode\.\w+ is not supported|capture cuda graph "
                             r"failed|CUDA graph capture failed")),
@@ -122,7 +126,7 @@ FRAMES = [
                                   r"\bget_sampling_module\b|self\.topk_topp_sampler\(|"
                                   r"topk_topp_sampler\.py\", line \d+, in forward_cuda|"
                                   r"torch/_dynamo/(?:convert_frame|symbolic_convert|output_graph)\.py\", line \d+")),
-    ("gpu-capability", re.compile(r"_check_scheme_supported|get_min_capability\(\)")),
+    ("gpu-capability", re.compile(r"_check_scheme_supported|get_min_capability\(\)|_check_if_gpu_supports_dtype")),
     ("nccl", re.compile(r"PyNcclCommunicator\(|pynccl\w*\.py\"|ncclCommInitRank|, in init_model_parallel_group\b|"
                         r"return GroupCoordinator\(|, in init_worker_distributed_environment\b|"
                         r", in ensure_model_parallel_initialized\b|custom_all_reduce\.py\", line \d+|"
@@ -136,7 +140,8 @@ ENGINE_FAILED = re.compile(r"EngineCore failed to start|Engine core initializati
                            r"Got fatal signal from worker processes|Worker failed with error|Error executing method|"
                            r"A worker died or was killed|RayActorError|The actor died unexpectedly|"
                            r"Exception in worker \w+ while processing method|"
-                           r"Unhandled error .*ray::\w+\.\w+\(\)|Worker unexpectedly exits", re.IGNORECASE)
+                           r"Worker unexpectedly exits|ray::[\w:.-]+\(\)|ActorDiedError|RayTaskError|"
+                           r"Exception in Replica\(|The deployment failed to start", re.IGNORECASE)
 # A quote that holds only the engine's traceback, without the wrapper's line, shows the same death: the
 # engine core's and its workers' start-up error logs, V1 and V0 (run_mp_engine logs as "[engine.py:N]",
 # some set-ups log the file's path: "[v1/executor/multiproc_executor.py:597]"), or frames in the packages
@@ -216,6 +221,9 @@ def _argument_step(log: str) -> str:
     if re.search(r"trust_remote_code=True|requires you to execute the configuration file", log):
         return ("the model ships its own code: start with --trust-remote-code (after reading that code), or "
                 "serve a checkpoint whose architecture this vLLM has built in")
+    if m := re.search(r"got an unexpected keyword argument '(\w+)'", log):
+        return (f"the installed vLLM takes no argument {m[1]}: the caller was written for another vLLM version; "
+                "install the version it pins, or drop the argument")
     bad = _number(r"unrecognized arguments: (.+)", log)
     what = f" ({bad.strip()})" if bad else ""
     return (f"vLLM refused the command line{what}: check each flag against this version's `vllm serve --help`, "

@@ -21,6 +21,7 @@ __all__ = ["classify_failure", "failure_cause", "log_tail", "next_step", "read_f
 
 LOG_TAIL_LINES = 60
 NO_ERROR_LINE = "no error line in the log"
+INNERMOST_FRAMES = 2
 
 # Terminal colours vLLM writes around its process prefixes, raw or as pasted ("^[[0;36m", "ESC[1;36m").
 _COLOUR = re.compile(r"(?:\x1b|\^\[|\bESC)\[[0-9;]*m")
@@ -38,6 +39,9 @@ QUIET = {"DEBUG", "INFO", "WARNING", "WARN"}
 _ENGINE = re.compile(r"\((?:EngineCore\w*|Worker\w*|VllmWorker\w*(?: rank=\d+)?|RayWorker\w*|"
                      r"VllmWorkerProcess) pid=\d+")
 _FRAME = re.compile(r'(?:\[rank\d+\]:\s*)?(?:\([^)]*pid=\d+\)\s*)*File "[^"]+", line \d+, in ')
+# Frames every call goes through, which name no step: Python's own library, torch's module call, wrappers.
+_PLUMBING = re.compile(r'/lib/python3\.\d+/(?!site-packages/|dist-packages/)[\w/]+\.py"|torch/nn/modules/module\.py"|'
+                       r'torch/utils/_contextlib\.py"|vllm/tracing/otel\.py"')
 _EXCEPTION = re.compile(r"(?:^|[\s\]>)])(?:[\w.]+\.)?[A-Z]\w*(?:Error|Exception|Exit)\b(?::|$)")
 
 @dataclass(frozen=True)
@@ -71,6 +75,14 @@ def _pick(lines: list[_Line]) -> str:
     return ([ln for ln in lines if _EXCEPTION.search(ln.text)] or lines)[-1].text
 
 
+def _innermost(lines: list[_Line]) -> list[_Line]:
+    """The last traceback's innermost frames and what follows them: a traceback names the step it died in by
+    its last frames, not by the outer ones every start goes through (a worker's device set-up passes through
+    the NCCL group's set-up before whatever it raised)."""
+    frames = [i for i, ln in enumerate(lines) if _FRAME.match(ln.text) and not _PLUMBING.search(ln.text)]
+    return lines[frames[-INNERMOST_FRAMES]:] if len(frames) > INNERMOST_FRAMES else lines
+
+
 def failure_cause(log: str) -> str | None:
     """The cause id of a failed start, or None when the log shows no error (a healthy start-up so far)."""
     cause, line = classify_failure(log)
@@ -88,7 +100,7 @@ def classify_failure(log: str) -> tuple[str, str]:
     if hits := [ln for ln in lines if NEGATIVE_KV.search(ln.text)]:
         return "kv-cache-too-small", hits[-1].text
     for cause, frame in FRAMES:
-        if hits := [ln for ln in errors if frame.search(ln.text)]:
+        if hits := [ln for ln in _innermost(errors) if frame.search(ln.text)]:
             return cause, _pick(hits)
     if hits := ([ln for ln in errors if ENGINE_FAILED.search(ln.text)]
                 or [ln for ln in errors if ENGINE_FRAME.search(ln.text)]):
