@@ -30,7 +30,8 @@ FAILURE_CAUSES = [
                           r"got an unexpected keyword argument")),
     # More GPUs asked for than this process can see (CUDA_VISIBLE_DEVICES, the container, Ray's placement).
     ("not-enough-gpus", (r"number of required GPUs exceeds|must be less than or equal to the number of visible devices|"
-                         r"No CUDA GPUs are available|has no GPU available|does not allocate any GPUs")),
+                         r"No CUDA GPUs are available|has no GPU available|does not allocate any GPUs|"
+                         r"invalid device ordinal")),
     ("max-model-len-too-long", r"max_model_len \(\d+\) is greater than the derived"),
     # The NVIDIA driver cannot run this build's CUDA (too old, missing in the container, a broken
     # driver/library pair, NVSwitch's fabric manager not up): before the generic CUDA error it comes in.
@@ -51,7 +52,8 @@ FAILURE_CAUSES = [
     # The GPU is older than what the checkpoint's quantization, dtype or kernel needs; checked before the
     # generic "not supported" of unsupported-model and before a Triton CompilationError that only wraps it.
     ("gpu-capability", (r"not supported for the current GPU|(?:Min(?:imum)?|Current) capability: \d+|"
-                        r"Bfloat16 is only supported on GPUs|"
+                        r"Bfloat16 is only supported on GPUs|You can use float16 instead by explicitly setting|"
+                        r"for a compute capability less than|current device does not support this kernel|"
                         r"compute capability (?:of at least|below|>=?) ?\d|"
                         r"only supports? \w+ GPUs or newer|not supported in this architecture|"
                         r"(?:not supported|unsupported) on (?:this|your|the current) GPU|"
@@ -78,6 +80,7 @@ FAILURE_CAUSES = [
     # or a package the start imports is missing or of another version (raised, not a logged fallback).
     ("broken-install", (r"'_OpNamespace' '\w+' object has no attribute|undefined symbol: |"
                         r"ModuleNotFoundError: No module named|ImportError: cannot import name|"
+                        r"Device string must not be empty|Failed to infer device type|"
                         r"No module named '(?:vllm\.)?_\w*C'|No module named 'vllm(?:\.(?!_version)\w+)*'|"
                         r"cannot open shared object file")),
     # ROCm words the same errors as HIP's: "HIP error: invalid argument", hipErrorNoBinaryForGpu.
@@ -94,7 +97,7 @@ FAILURE_CAUSES = [
                         r"flashinfer\.jit.*(?:fail|error)|FlashInfer requires (?:GPUs with )?sm\d+|"
                         r"No supported CUDA architectures found|triton\.runtime\.errors|"
                         r"loc\(\"[^\"]+\":\d+:\d+\): error:|ptxas fatal|Ptx assembly aborted|ptxas .*\berror\b|"
-                        r"torch\._dynamo\.exc\.\w+")),
+                        r"torch\._dynamo\.exc\.\w+|\berror: [\w./-]+\.py:\d+:\d+: ")),
     ("unsupported-model", (r"Model architectures? .* (?:are|is) not supported|does not recognize this architecture|"
                            r"Error in inspecting model architecture|failed to be inspected|"
                            r"is not a registered model in the Transformers library|Cannot find model module|"
@@ -130,6 +133,8 @@ FRAMES = [
     ("nccl", re.compile(r"PyNcclCommunicator\(|pynccl\w*\.py\"|ncclCommInitRank|, in init_model_parallel_group\b|"
                         r"return GroupCoordinator\(|, in init_worker_distributed_environment\b|"
                         r", in ensure_model_parallel_initialized\b|custom_all_reduce\.py\", line \d+|"
+                        r", in tensor_model_parallel_all_(?:reduce|gather)\b|"
+                        r"parallel_state\.py\", line \d+, in (?:all_reduce|all_gather|broadcast)\b|"
                         r"distributed_c10d\.py\", line \d+, in (?:all_reduce|all_gather\w*|broadcast\w*|barrier)\b")),
     # A socket's bind: the address or port is taken (or not this host's).
     ("port-in-use", re.compile(r"zmq/sugar/socket\.py\", line \d+, in bind\b|\w+socket\.bind\(")),
@@ -301,6 +306,9 @@ def _install_step(log: str) -> str:
         if not m[1].startswith("vllm"):
             return (f"Python cannot import {m[1].split('.')[0]}, which this start needs: install the version that "
                     "this vLLM pins (its requirements, or the extra the model card names) in vLLM's environment")
+    if re.search(r"Device string must not be empty|Failed to infer device type", log):
+        return ("vLLM found no GPU platform: install the vLLM build for this GPU (the ROCm build on AMD, the CUDA "
+                "one on NVIDIA), and in a container make the GPU visible (--gpus all; nvidia-smi inside it)")
     return ("vLLM's compiled kernels do not load here: the vLLM wheel was built for another torch or CUDA, "
             "or the install is partial; reinstall vLLM in a fresh environment with the torch it pins, "
             "and do not upgrade torch over it")
