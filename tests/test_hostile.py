@@ -44,33 +44,46 @@ except Exception as exc:
 """
 
 
+# Starts the command and reports its peak RSS. Not measured from the test itself: a child that
+# pytest forks carries pytest's own high-water mark into its exec (Linux keeps the larger), and
+# this small launcher's child starts from the launcher's few MB.
+LAUNCHER = """
+import os, resource, subprocess, sys
+code = subprocess.call(sys.argv[2:])
+with open(sys.argv[1], "w") as out:
+    out.write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss))
+sys.exit(code)
+"""
+
+
 @dataclass
 class Ran:
     rc: int
     out: str
     err: str
-    peak_mb: float  # the child's own peak resident memory (wait4's rusage), not the test's
+    peak_mb: float  # the command's own peak resident memory (getrusage of its launcher's children)
     seconds: float
 
 
 def run(cmd: list[str], *, timeout: float = 60, env: dict[str, str] | None = None) -> Ran:
-    """The command to its end or its deadline, with its own peak RSS (os.wait4, this child alone)."""
+    """The command to its end or its deadline (then killed, with its process group), and its peak RSS."""
     environ = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "ROLLOUT_MIRROR_TOKEN")}
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
+            tempfile.NamedTemporaryFile("r") as peak:
         started = time.monotonic()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=ROOT, env={**environ, **(env or {})})
-        while (done := os.wait4(proc.pid, os.WNOHANG))[0] == 0:
-            if time.monotonic() - started > timeout:
-                proc.kill()
-                done = os.wait4(proc.pid, 0)
-                break
-            time.sleep(0.02)
-        proc.returncode = os.waitstatus_to_exitcode(done[1])
+        proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, peak.name, *cmd], stdout=out, stderr=err, cwd=ROOT,
+                                env={**environ, **(env or {})}, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)  # its own session: the launcher and the command
+            proc.wait()
         seconds = time.monotonic() - started
         out.seek(0)
         err.seek(0)
+        kb = peak.read().strip()
         ran = Ran(proc.returncode, out.read().decode(errors="replace"), err.read().decode(errors="replace"),
-                  done[2].ru_maxrss / 1024, seconds)
+                  int(kb) / 1024 if kb else float("nan"), seconds)
     assert seconds < timeout, f"still running after {timeout} s: {ran}"
     return ran
 

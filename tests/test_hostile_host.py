@@ -124,12 +124,15 @@ def test_the_swap_guard_never_stops_a_group_that_runs_no_vllm(tmp_path, signals)
 @pytest.mark.parametrize("content, words", [
     ("[]", ["damaged", "not the object a launch writes"]),
     ('{"pgid": "1; rm -rf /", "command": []}', ["damaged"]),
-    ('{"pgid": 4, "pad": "' + "A" * (64 * 2**20) + '"}', ["damaged", "more than 16,777,216 bytes"]),
+    ("64 MB", ["damaged", "more than 16,777,216 bytes"]),  # written in the test: not held by pytest
 ], ids=["a-list", "pgid-text", "64-MB"])
 def test_rollout_status_on_a_state_file_this_host_did_not_write_is_one_line(tmp_path, content, words):
     run_dir = tmp_path / "models" / ".rollout"
     run_dir.mkdir(parents=True)
+    if content == "64 MB":
+        content = '{"pgid": 4, "pad": "' + "A" * (64 * 2**20) + '"}'
     (run_dir / "server.json").write_text(content)
+    del content
     ran = run([ROLLOUT, "status", "--models-root", str(tmp_path / "models")])
     assert ran.rc == 2, ran
     one_line(ran, "server.json", *words)
