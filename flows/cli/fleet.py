@@ -110,7 +110,7 @@ def mirror(
     host: Annotated[str, typer.Option(help="Address to listen on; beyond loopback (0.0.0.0 serves the other "
                                            "hosts) it asks for ROLLOUT_MIRROR_TOKEN")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on")] = 8090,
-    anonymous: Annotated[bool, typer.Option(help="Serve beyond loopback without a token: anyone who reaches the "
+    *, anonymous: Annotated[bool, typer.Option(help="Serve beyond loopback without a token: anyone who reaches the "
                                                  "address reads every model in the cache, gated ones included")
                          ] = False,
 ) -> None:

@@ -78,7 +78,7 @@ def check_run_budget(lengths: dict[str, int], source: str, limit: int = MAX_RUN_
                               f"{lengths[largest]:,})")
 
 
-def parse_header(file: str, file_size: int, read: Callable[[int, int], bytes], length: int | None = None
+def parse_header(file: str, file_size: int, read: Callable[[int, int], bytes], *, length: int | None = None
                  ) -> FileHeader:
     """Parse one header through read(offset, length), refusing anything out of bounds; `length`
     where the prefix was read already (and counted against the run's budget)."""
@@ -148,7 +148,7 @@ def read_local_header(path: Path, length: int | None = None) -> FileHeader:
             fh.seek(offset)
             return fh.read(length)
 
-        return parse_header(path.name, size, read, length)
+        return parse_header(path.name, size, read, length=length)
 
 
 def local_header_length(path: Path) -> int:
@@ -180,7 +180,7 @@ def _int_struct(dtype: str, shape: tuple[int, ...]) -> struct.Struct | None:
 def read_remote_header(url: str, file: str, file_size: int, *, headers: dict[str, str], length: int | None = None
                        ) -> FileHeader:
     """Two range requests: the 8-byte length (unless `length` was read already), then exactly the header."""
-    return parse_header(file, file_size, _remote_reader(url, file, headers), length)
+    return parse_header(file, file_size, _remote_reader(url, file, headers), length=length)
 
 
 def remote_header_length(url: str, file: str, file_size: int, *, headers: dict[str, str]) -> int:
