@@ -119,7 +119,8 @@ class _NoRolloutTraceback(logging.Formatter):
         self.inner = inner
 
     def format(self, record: logging.LogRecord) -> str:
-        if not (record.exc_info and isinstance(record.exc_info[1], RolloutError)):
+        if not (record.exc_info and (isinstance(record.exc_info[1], RolloutError)
+                                     or prefect_api_lost(record.exc_info[1]))):
             return self.inner.format(record)
         saved = record.exc_info, record.exc_text
         record.exc_info, record.exc_text = None, None
@@ -129,16 +130,64 @@ class _NoRolloutTraceback(logging.Formatter):
             record.exc_info, record.exc_text = saved
 
 
+# Prefect's client services that retry in the background and dump their tracebacks to the terminal
+# when the API goes away ("Service 'EventsWorker' failed", "EventsWorker - Still processing items"):
+# to a file instead. The services log under their class names.
+CLIENT_SERVICE_LOGGERS = ("prefect.events.clients", "prefect._internal.concurrency", "EventsWorker", "APILogWorker")
+CLIENT_LOG = Path(os.environ.get("TMPDIR", "/tmp")) / "rollout-prefect-client.log"
+
+
 def _one_line_failures() -> None:
     from prefect.logging.handlers import PrefectConsoleHandler
 
     for handler in logging.getLogger().handlers:
         if isinstance(handler, PrefectConsoleHandler) and not isinstance(handler.formatter, _NoRolloutTraceback):
             handler.setFormatter(_NoRolloutTraceback(handler.formatter or logging.Formatter()))
+    # Prefect's log shipper writes "--- Error logging to API ---" straight to stderr while logging's
+    # raiseExceptions is on (the library's debugging default); a command's user gets the one line.
+    logging.raiseExceptions = False
+    for name in CLIENT_SERVICE_LOGGERS:
+        service = logging.getLogger(name)
+        if not any(isinstance(h, logging.FileHandler) for h in service.handlers):
+            service.addHandler(logging.FileHandler(CLIENT_LOG, delay=True))
+        service.propagate = False
 
 
-def fail(exc: BaseException) -> None:
-    """One line and the error's exit code (2: unusable input such as an unreachable hub; else 1)."""
+def prefect_api_lost(exc: BaseException) -> str | None:
+    """The Prefect API's URL where `exc`, or an error it came from, is a connection to it that failed
+    mid-run; None for anything else."""
+    import httpx
+    from prefect.settings import PREFECT_API_URL
+
+    url = (PREFECT_API_URL.value() or "").rstrip("/")
+    seen: BaseException | None = exc
+    for _ in range(10):
+        if seen is None:
+            return None
+        if isinstance(seen, httpx.TransportError) and url:
+            try:
+                if str(seen.request.url).startswith(url):
+                    return url
+            except RuntimeError:  # an error raised with no request attached
+                pass
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def fail(exc: BaseException, *, run_dir: Path | None = None) -> None:
+    """One line and the error's exit code (2: unusable input such as an unreachable hub; else 1). A
+    Prefect API that went away mid-run is named with what the host (`run_dir`) serves now."""
+    if (url := prefect_api_lost(exc)) is not None:
+        now = ""
+        if run_dir is not None:
+            from tasks.history.serving import host_status
+
+            try:
+                now = f"; this host: {host_status(run_dir).lines()[0]}"
+            except Exception as unread:  # the one line still names the API; the records' trouble after it
+                now = f"; this host's records: {first_line(unread)}"
+        typer.echo(f"error: the Prefect API at {url} went away mid-run ({first_line(exc)}){now}", err=True)
+        raise typer.Exit(2)
     if isinstance(exc, RolloutError):
         typer.echo(f"error: {str(exc).splitlines()[0]}", err=True)
         raise typer.Exit(exc.exit_code)

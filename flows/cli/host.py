@@ -79,7 +79,7 @@ def stop(models_root: ModelsRoot = Path("/models")) -> None:
     try:
         pgid = stop_model(HostTarget(models_root=models_root))
     except Exception as exc:
-        fail(exc)
+        fail(exc, run_dir=models_root / ".rollout")
     typer.echo(f"stopped vLLM process group {pgid}; nothing serves on this host" if pgid
                else "nothing was running on this host")
 
@@ -96,7 +96,7 @@ def rollback(models_root: ModelsRoot = Path("/models"),
     try:
         now = rollback_model(HostTarget(models_root=models_root, startup_timeout_s=startup_timeout_s))
     except Exception as exc:
-        fail(exc)
+        fail(exc, run_dir=models_root / ".rollout")
     typer.echo(f"serving {now}")
 
 
@@ -112,7 +112,7 @@ def recover(models_root: ModelsRoot = Path("/models"),
     try:
         now = rollback_model(HostTarget(models_root=models_root, startup_timeout_s=startup_timeout_s), recover=True)
     except Exception as exc:
-        fail(exc)
+        fail(exc, run_dir=models_root / ".rollout")
     typer.echo(f"serving {now}")
 
 

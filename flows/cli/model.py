@@ -126,7 +126,7 @@ def prepare(
     try:
         prepared = prepare_model(config)
     except Exception as exc:
-        fail(exc)
+        fail(exc, run_dir=config.run_dir)
     if as_json:
         typer.echo(prepared.model_dump_json(indent=2))
         return
@@ -154,7 +154,7 @@ def deploy(repo_id: RepoId, **options) -> None:
     try:
         result = deploy_model(config)
     except Exception as exc:
-        fail(exc)
+        fail(exc, run_dir=config.run_dir)
     if (answers := result.record.answers) is not None:
         typer.echo(f"answer check passed: {answers.accuracy:.0%} of {len(answers.outputs)} probes right")
     print_table(result.results, result.sweep_end)

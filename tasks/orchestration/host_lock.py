@@ -19,12 +19,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from uuid import UUID
 
+import httpx
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound, PrefectHTTPStatusError
 from prefect.states import Crashed
 
-from tasks.errors import HostBusyError
+from tasks.errors import HostBusyError, first_line
 from tasks.history.swap import owner_alive, write_record
 from tasks.host import host_name
 from tasks.vllm.process import process_start_time
@@ -132,11 +133,15 @@ def host_lock(host: str | None = None, wait_s: float = 5.0, run_dir: Path | None
         renewer.join(timeout=10)
         if run_dir is not None:
             _holder_file(run_dir).unlink(missing_ok=True)
-        with get_client(sync_client=True) as client:
-            try:
+        try:
+            with get_client(sync_client=True) as client:
                 client.release_concurrency_slots_with_lease(lease_id)
-            except PrefectHTTPStatusError:
-                pass  # the lease lapsed while the API was away: the slot is free already
+        except PrefectHTTPStatusError:
+            pass  # the lease lapsed while the API was away: the slot is free already
+        except httpx.HTTPError as exc:  # the API is away: the lease lapses by itself, and the run's error stands
+            logging.getLogger(__name__).warning(
+                "host lock %s not released (%s): its lease lapses %d s after its last renewal", name, first_line(exc),
+                LEASE_S)
 
 
 def _renew(lease_id: UUID, stop: threading.Event) -> None:
