@@ -79,7 +79,8 @@ FAILURE_CAUSES = [
     # vLLM's compiled ops do not load: a wheel built against another torch or CUDA, or a partial install;
     # or a package the start imports is missing or of another version (raised, not a logged fallback).
     ("broken-install", (r"'_OpNamespace' '\w+' object has no attribute|undefined symbol: |"
-                        r"ModuleNotFoundError: No module named|ImportError: cannot import name|"
+                        r"ModuleNotFoundError: No module named|"
+                        r"ImportError: (?:cannot import name|.*\b(?:install|version)\b)|"
                         r"Device string must not be empty|Failed to infer device type|"
                         r"No module named '(?:vllm\.)?_\w*C'|No module named 'vllm(?:\.(?!_version)\w+)*'|"
                         r"cannot open shared object file")),
@@ -152,7 +153,7 @@ ENGINE_FAILED = re.compile(r"EngineCore failed to start|Engine core initializati
 # some set-ups log the file's path: "[v1/executor/multiproc_executor.py:597]"), or frames in the packages
 # that build and run the engine (its executor, workers, model construction and loading).
 ENGINE_FRAME = re.compile(r", in run_engine_core\b|vllm/v1/engine/core\.py\", line \d+, in |"
-                          r"\(EngineCore\w* pid=\d+\) ERROR [\d-]+ [\d:]+ \[(?:[\w/]+/)?core\.py:\d+\]|"
+                          r"(?:\(EngineCore\w* pid=\d+\) )?ERROR [\d-]+ [\d:]+ \[(?:[\w/]+/)?core\.py:\d+\]|"
                           r"\((?:Worker|VllmWorker)\w*[^)]*pid=\d+\) ERROR [\d-]+ [\d:]+ "
                           r"\[(?:[\w/]+/)?multiproc_executor\.py:\d+\]|"
                           r"vllm/(?:v1/)?(?:engine|executor|worker|model_executor)/[\w/]+\.py\", line \d+|"
@@ -306,6 +307,9 @@ def _install_step(log: str) -> str:
         if not m[1].startswith("vllm"):
             return (f"Python cannot import {m[1].split('.')[0]}, which this start needs: install the version that "
                     "this vLLM pins (its requirements, or the extra the model card names) in vLLM's environment")
+    if m := re.search(r"ImportError: (.*\b(?:install|version)\b.*)", log):
+        return (f"a package this start imports is missing or of the wrong version ({m[1].strip()[:120]}): "
+                "install the version it asks for in vLLM's environment")
     if re.search(r"Device string must not be empty|Failed to infer device type", log):
         return ("vLLM found no GPU platform: install the vLLM build for this GPU (the ROCm build on AMD, the CUDA "
                 "one on NVIDIA), and in a container make the GPU visible (--gpus all; nvidia-smi inside it)")
