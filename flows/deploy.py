@@ -13,11 +13,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from prefect import flow, get_run_logger
-from prefect.futures import wait
 from prefect.runtime import flow_run
-from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.prepare import prepare_steps
+from flows.restore import join_group_nodes, left_behind, restore_last_good
 from tasks.answers.check import AnswerBaseline
 from tasks.bench.results import LevelResult
 from tasks.bench.sweep import unusable_level
@@ -51,18 +50,13 @@ from tasks.history.last_good import (
     promote_last_good,
     read_last_good,
     serving_deployment,
-    write_last_good,
 )
 from tasks.history.runs import RunRecord, check_regression, run_record
 from tasks.history.serving import check_state_files, take_over
 from tasks.history.swap import abandoned_swap, begin_swap, end_swap
 from tasks.history.tuned import read_tuned
 from tasks.names import model_slug
-from tasks.orchestration.artifacts import (
-    command_block,
-    publish_deploy_summary,
-    publish_rollback,
-)
+from tasks.orchestration.artifacts import publish_deploy_summary
 from tasks.orchestration.host_lock import host_lock, mark_crashed
 from tasks.orchestration.notify import emit_rolled_back
 from tasks.orchestration.steps import (
@@ -70,7 +64,6 @@ from tasks.orchestration.steps import (
     bench_level,
     check_gpus,
     compare_with_last_good,
-    join_on_host,
     prestart_vllm,
     prewarm_model,
     probe_gpus,
@@ -243,8 +236,8 @@ def _swap(config: DeployConfig, previous: LastGood | None, prepared: PreparedMod
                     probe.wait_for_answer(old_pgid)  # the old server's last answer is the gap's start
                     stop_begun = True  # from here a failure, a SIGTERM in the stop included, restores it
                     stop_serving(config.run_dir, previous.what)
-                    _group(_left_behind(previous, config), "leave")
-                _group(config.group_members(), "join")  # the leader waits for every rank at start-up
+                    join_group_nodes(left_behind(previous, config), "leave")
+                join_group_nodes(config.group_members(), "join")  # the leader waits for every rank at start-up
                 served = _serve_and_bench(config, prepared, gpu, server, last_run=last_run,
                                           same_weights=same_weights, swap_gap=swap_gap, prestarted=prestarted)
             except BaseException as err:  # a stop or a start that failed: nothing new was served
@@ -254,7 +247,7 @@ def _swap(config: DeployConfig, previous: LastGood | None, prepared: PreparedMod
                                                                     record=served.record))
                 return served, None
             try:  # SIGTERM and Ctrl-C too: the host must not be left serving nothing
-                _group(config.group_members(), "leave")
+                join_group_nodes(config.group_members(), "leave")
             except Exception as left:  # a node that cannot leave must not keep the last good one down
                 logger.warning("the new group's secondary nodes did not all stop: %s", first_line(left))
             if previous is None or not stop_begun:  # the old server was never touched: it serves on
@@ -362,51 +355,3 @@ def _serve_and_bench(config: DeployConfig, prepared: PreparedModel, gpu: GpuProb
     except BaseException as err:  # the server is stopped by then (Serving): SIGTERM, Ctrl-C, a cancel too
         return replace(served, error=err)
     return served
-
-
-def _group(members: list[tuple[str, DeployConfig]], action: str) -> None:
-    """Each secondary node joins (or leaves) through its own host's worker, all at once; the first
-    that fails raises, after the others have ended."""
-    if not members:
-        return
-    with ThreadPoolTaskRunner(max_workers=len(members)) as runner:
-        futures = [runner.submit(join_on_host, {"host": host, "config": c, "action": action}) for host, c in members]
-        wait(futures)
-        for future in futures:
-            future.result()
-
-
-def _recorded_group(last: LastGood) -> list[tuple[str, DeployConfig]]:
-    return [(g["host"], DeployConfig.model_validate(g["config"])) for g in last.group]
-
-
-def _left_behind(previous: LastGood, config: DeployConfig) -> list[tuple[str, DeployConfig]]:
-    """The previous group's secondary nodes that the new deployment does not take over: their
-    ranks would otherwise wait for a leader that is gone."""
-    taken = {f.host for f in config.followers}
-    return [(host, c) for host, c in _recorded_group(previous) if host not in taken]
-
-
-def restore_last_good(previous: LastGood, *, run_dir: Path, startup_timeout_s: float, why: str) -> tuple[str, bool]:
-    """Start a recorded good deployment again, its secondary nodes first, and say why in an artifact:
-    the one restore, after a failed deploy and for `rollout rollback`. Returns (what serves now, or
-    why nothing does; whether the restore failed)."""
-    logger = get_run_logger()
-    what = previous.what
-    logger.warning("%s; restarting the last good deployment, %s", why, what)
-    try:
-        _group(_recorded_group(previous), "join")
-        handle, _ = start_vllm.with_options(task_run_name="restart last good")(
-            previous.server, run_dir, startup_timeout_s, api_key_secret=previous.api_key_secret,
-            repo_id=previous.repo_id, failure_suffix="-rollback")
-    except Exception as err:
-        publish_rollback(previous.repo_id, what, why,
-                         outcome=f"**Rollback failed:** `{first_line(err)}`. Nothing serves on this host now.")
-        logger.error("rollback to %s failed: %s", what, first_line(err))
-        return first_line(err), True
-    write_last_good(run_dir, previous.model_copy(update={"serving_pgid": handle.pgid}))
-    publish_rollback(previous.repo_id, what, why, outcome=(
-        f"**Serving again:** `{previous.server.served_model_name}` ({what}) at {handle.base_url}, "
-        f"ready in {handle.startup_s:.0f} s.\n\n{command_block(handle.command)}\n"))
-    logger.warning("rolled back: %s serves again at %s", what, handle.base_url)
-    return f"{what} at {handle.base_url}", False

@@ -18,7 +18,8 @@ from tasks.fleet.rollout import FleetReport, HostOutcome, fleet_rows, verdict
 from tasks.fleet.router import HAProxy, RouterConfig, RouterReading, Traffic, rotation
 from tasks.orchestration.artifacts import publish_fleet
 from tasks.orchestration.run_labels import label_run
-from tasks.orchestration.steps import canary_on_live_traffic, deploy_on_host, hub_token, resolve_revision
+from tasks.orchestration.remote_steps import canary_on_live_traffic, deploy_on_host
+from tasks.orchestration.steps import hub_token, resolve_revision
 
 
 @task(name="read-router", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)

@@ -10,7 +10,7 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
-from flows.deploy import restore_last_good
+from flows.restore import restore_last_good
 from tasks.errors import ServerStartError, UnusableInput
 from tasks.history.last_good import (
     LastGood,

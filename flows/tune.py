@@ -15,7 +15,7 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
-from flows.deploy import restore_last_good
+from flows.restore import restore_last_good
 from flows.prepare import prepare_steps
 from tasks.deployment.config import DeployConfig
 from tasks.deployment.stages import gpus_used, hardware_plan, platform_label, server_config, vocab_size

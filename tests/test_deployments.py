@@ -32,7 +32,7 @@ from tasks.errors import FleetRolloutFailed, HostUnreachable
 from tasks.fleet.hosts import FleetConfig, FleetHost
 from tasks.history.last_good import LastGood, write_last_good
 from tasks.hub import resolve_snapshot
-from tasks.orchestration.steps import run_on_host
+from tasks.orchestration.remote_steps import run_on_host
 from testkit.stalling_api import StallingApi
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
