@@ -40,7 +40,9 @@ class VllmSettings(BaseModel):
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="--gpu-memory-utilization (0.9)")
     enforce_eager: bool = Field(False, description="--enforce-eager: no torch.compile nor CUDA graphs; starts "
                                 "in seconds instead of a minute's compile, decodes slower")
-    trust_remote_code: bool = Field(False, description="--trust-remote-code")
+    trust_remote_code: bool = Field(False, description="--trust-remote-code: your consent to run the Python a repo "
+                                    "ships (its auto_map: Kimi's tokenizer), given once per repo and recorded on "
+                                    "the host; without it such a repo is refused before any download")
     # How the weights come off the disk: on a cold page cache most of a 595 GB start is this.
     load_format: str | None = Field(None, description="--load-format: auto (vLLM's), safetensors, runai_streamer, "
                                     "fastsafetensors, ...")
