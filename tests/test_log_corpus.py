@@ -188,6 +188,10 @@ def test_next_step_for_a_kernel_build_a_config_and_an_install():
     assert "`architectures`" in next_step("model-config", fixture("model-config-2170.log"))
     assert "reinstall vLLM" in next_step("broken-install", fixture("broken-install-13074.log"))
     assert "cannot import triton_kernels" in next_step("broken-install", fixture("broken-install-22290.log"))
+    assert "bitsandbytes>=0.46.1" in next_step("broken-install", fixture("broken-install-4875.log"))
+    step = next_step("compile-failed", fixture("compile-failed-21960.log"))
+    assert "CUDA_HOME" in step and "flashinfer-jit-cache" in step
+    assert "VLLM_WORKER_MULTIPROC_METHOD=spawn" in next_step("cuda-fork", fixture("cuda-fork-7077.log"))
 
 
 def test_next_step_for_a_flag_the_model_needs_or_cannot_take():
@@ -217,6 +221,11 @@ def test_a_traceback_cut_before_its_exception_is_still_an_error():
     # Through the code that builds the engine (its workers, model construction), it is the engine's death.
     frame = '(EngineCore_0 pid=3966)   File "/x/vllm/v1/worker/gpu_worker.py", line 1, in load_model'
     assert classify_failure(frame + "\n    foo()") == ("engine-failed", frame)
+    # An exception Python ignored (a destructor's, as the process winds down) names no step.
+    ignored = ('Exception ignored in: <function NCCLCommunicator.__del__ at 0x1>\nTraceback (most recent call last):\n'
+               '  File "/x/vllm/distributed/device_communicators/pynccl.py", line 1, in __del__\n'
+               "AttributeError: 'NCCLCommunicator' object has no attribute 'comm'\n")
+    assert classify_failure(ignored + frame + "\n    foo()") == ("engine-failed", frame)
 
 
 def test_a_failed_start_carries_its_next_step_into_the_error_and_the_artifact(tmp_path, monkeypatch):

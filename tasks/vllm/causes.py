@@ -39,6 +39,8 @@ FAILURE_CAUSES = [
                      r"Found no NVIDIA driver|unsupported display driver / cuda driver combination|"
                      r"forward compatibility was attempted on non supported HW|Error 802: system not yet "
                      r"initialized|Unexpected error from cudaGetDeviceCount|cudaErrorInsufficientDriver")),
+    # A worker forked from a process that had already initialised CUDA cannot use it.
+    ("cuda-fork", r"Cannot re-initialize CUDA in forked subprocess"),
     # The checkpoint's own files: a config missing, not JSON or naming no architecture, no weights where
     # vLLM looks. vLLM raises some inside its pydantic ModelConfig check, so they come before the
     # ValidationError catch-all at the end.
@@ -98,7 +100,10 @@ FAILURE_CAUSES = [
                         r"flashinfer\.jit.*(?:fail|error)|FlashInfer requires (?:GPUs with )?sm\d+|"
                         r"No supported CUDA architectures found|triton\.runtime\.errors|"
                         r"loc\(\"[^\"]+\":\d+:\d+\): error:|ptxas fatal|Ptx assembly aborted|ptxas .*\berror\b|"
-                        r"torch\._dynamo\.exc\.\w+|\berror: [\w./-]+\.py:\d+:\d+: ")),
+                        r"torch\._dynamo\.exc\.\w+|\berror: [\w./-]+\.py:\d+:\d+: |"
+                        # a JIT build at start with no CUDA toolkit, or one that does not fit the GPU or itself
+                        r"nvcc: not found|Could not find nvcc|CUDA compiler and CUDA toolkit headers are "
+                        r"incompatible|SM \d+\.?\w* requires CUDA >= ?[\d.]+")),
     ("unsupported-model", (r"Model architectures? .* (?:are|is) not supported|does not recognize this architecture|"
                            r"Error in inspecting model architecture|failed to be inspected|"
                            r"is not a registered model in the Transformers library|Cannot find model module|"
@@ -324,6 +329,10 @@ def _compile_step(log: str) -> str:
                 "matches the wheel's CUDA (an sm_120 needs 12.9+), or FlashInfer's prebuilt kernels "
                 "(flashinfer-cubin, flashinfer-jit-cache); clear ~/.cache/flashinfer; or avoid the FlashInfer "
                 "path (VLLM_USE_FLASHINFER_SAMPLER=0, another --attention-backend, --kv-cache-dtype auto)")
+    if re.search(r"nvcc: not found|Could not find nvcc|toolkit headers are incompatible|requires CUDA >=", log):
+        return ("a kernel is JIT-built at start (FlashInfer) and no fitting CUDA toolkit (nvcc) was found: install the "
+                "toolkit of torch's CUDA (12.9+ for an sm_120) and set CUDA_HOME, or FlashInfer's prebuilt "
+                "kernels (flashinfer-cubin, flashinfer-jit-cache), or VLLM_USE_FLASHINFER_SAMPLER=0")
     return ("compiling kernels failed (torch.compile, Triton or FlashInfer's JIT): clear "
             "~/.cache/vllm/torch_compile_cache and ~/.cache/flashinfer, check that nvcc matches the CUDA "
             "of the wheel, or start with --enforce-eager (-O0) to skip compilation")
@@ -343,6 +352,9 @@ NEXT_STEPS: dict[str, str | Callable[[str], str]] = {
                    "it runs) with torch.version.cuda, then upgrade the driver or install a vLLM/torch build for an "
                    "older CUDA; in a container use the NVIDIA runtime (--gpus all); on NVSwitch machines error 802 "
                    "means nvidia-fabricmanager is not running",
+    "cuda-fork": "vLLM's workers were forked from a process that had already initialised CUDA: set "
+                 "VLLM_WORKER_MULTIPROC_METHOD=spawn, and touch no CUDA (torch.cuda, a model) before vLLM starts; "
+                 "a script that starts vLLM needs its code under `if __name__ == \"__main__\":`",
     "gpu-capability": _gpu_step,
     "out-of-memory": _memory_step,
     "kv-cache-too-small": _kv_cache_step,

@@ -67,6 +67,20 @@ def _parse(log: str) -> list[_Line]:
     return lines
 
 
+def _unignored(lines: list[_Line]) -> list[_Line]:
+    """Without Python's "Exception ignored in: ..." blocks (a destructor failing while the process winds
+    down, "'NCCLCommunicator' object has no attribute 'comm'"): ignored, they say nothing of the death."""
+    kept, ignoring = [], False
+    for ln in lines:
+        if "Exception ignored in" in ln.text:
+            ignoring = True
+        elif not ignoring:
+            kept.append(ln)
+        elif _EXCEPTION.search(ln.text) and not _FRAME.match(ln.text):
+            ignoring = False
+    return kept
+
+
 def _pick(lines: list[_Line]) -> str:
     """The last of the engine's or workers' lines, else the last line (the API server only wraps the
     engine's error: "Engine core initialization failed. See root cause above"), an exception's own line
@@ -92,7 +106,7 @@ def failure_cause(log: str) -> str | None:
 def classify_failure(log: str) -> tuple[str, str]:
     """(cause id, the log line that shows it). INFO, WARNING and DEBUG lines are never the cause: vLLM
     warns about things it works around ("setting cudagraph_mode=PIECEWISE", generation_config.json)."""
-    lines = _parse(log)
+    lines = _unignored(_parse(log))
     errors = [ln for ln in lines if ln.level not in QUIET]
     for cause, pattern in CAUSES:
         if hits := [ln for ln in errors if pattern.search(ln.text)]:
