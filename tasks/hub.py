@@ -309,7 +309,10 @@ def _download(snapshot: RepoSnapshot, file: RepoFile, part: Path, *, endpoint: s
             part.unlink(missing_ok=True)  # more than was published: none of it can be vouched for
             raise
         except HfHubHTTPError as exc:
-            permanent = _access_error(exc, f"{snapshot.repo_id}: {file.path}") or (
+            denied = exc.response is not None and exc.response.status_code == 401
+            permanent = (HubError(f"the mirror at {endpoint} asks for the fleet's mirror token: set {MIRROR_TOKEN_ENV} "
+                                  "as on the mirror's host") if denied and not token else None) or _access_error(
+                exc, f"{snapshot.repo_id}: {file.path}") or (
                 HubError(f"{snapshot.repo_id}@{snapshot.commit[:12]}: {file.path} not found")
                 if isinstance(exc, (EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError))
                 else None)

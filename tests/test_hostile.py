@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -107,6 +108,20 @@ def tree(top: Path, skip: Path) -> set[str]:
             continue
         found |= {os.path.join(folder, n) for n in dirs + files}
     return found
+
+
+@pytest.fixture(autouse=True)
+def deadline():
+    """Each test under 150 s, far above its few seconds (pytest-timeout is not installed here); the
+    subprocesses have deadlines of their own."""
+    def expired(*_):
+        raise TimeoutError("the test ran past its 150 s deadline")
+
+    before = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(150)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, before)
 
 
 @pytest.fixture

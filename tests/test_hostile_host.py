@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_hostile import ROLLOUT, honest, hostile, one_line, run  # noqa: F401 (hostile: a fixture)
+from test_hostile import ROLLOUT, deadline, honest, hostile, one_line, run  # noqa: F401 (fixtures)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,7 +30,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_rollout_mirror_beyond_loopback_asks_for_the_fleet_token_and_says_whom_it_serves(hostile, tmp_path):
+def test_rollout_mirror_beyond_loopback_asks_for_the_fleet_token_and_says_whom_it_serves(hostile, tmp_path,
+                                                                                          monkeypatch):
     from tasks.hub import fetch_file, resolve_snapshot
 
     hostile.fake("org/m", honest())
@@ -64,6 +65,14 @@ def test_rollout_mirror_beyond_loopback_asks_for_the_fleet_token_and_says_whom_i
             assert httpx.get(url, headers=keyed | {"Range": bad}).status_code == 416, bad
         # a range it cannot parse is ignored, as HTTP says: the whole file, not a dropped connection
         assert httpx.get(url, headers=keyed | {"Range": "bytes=" + "9" * 5000 + "-"}).status_code == 200
+        config = next(f for f in snap.files if f.path == "config.json")
+        mirrored = f"http://127.0.0.1:{port}"
+        monkeypatch.delenv("ROLLOUT_MIRROR_TOKEN", raising=False)  # a host after the canary without the token
+        without = fetch_file(snap, config, tmp_path / "a" / "hub", endpoint=hostile.endpoint, mirror=mirrored)
+        assert without.source == "hub" and "set ROLLOUT_MIRROR_TOKEN" in without.mirror_error, without
+        monkeypatch.setenv("ROLLOUT_MIRROR_TOKEN", token)
+        assert fetch_file(snap, config, tmp_path / "b" / "hub", endpoint=hostile.endpoint,
+                          mirror=mirrored).source == "mirror"
     finally:
         served.terminate()
         out, err = served.communicate(timeout=30)
