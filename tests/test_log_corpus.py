@@ -192,6 +192,8 @@ def test_next_step_for_a_kernel_build_a_config_and_an_install():
     step = next_step("compile-failed", fixture("compile-failed-21960.log"))
     assert "CUDA_HOME" in step and "flashinfer-jit-cache" in step
     assert "VLLM_WORKER_MULTIPROC_METHOD=spawn" in next_step("cuda-fork", fixture("cuda-fork-7077.log"))
+    step = next_step("hub-access", fixture("hub-access-9255.log"))
+    assert "HF_TOKEN" in step and "local snapshot directory" in step
 
 
 def test_next_step_for_a_flag_the_model_needs_or_cannot_take():

@@ -41,6 +41,11 @@ FAILURE_CAUSES = [
                      r"initialized|Unexpected error from cudaGetDeviceCount|cudaErrorInsufficientDriver")),
     # A worker forked from a process that had already initialised CUDA cannot use it.
     ("cuda-fork", r"Cannot re-initialize CUDA in forked subprocess"),
+    # The Hugging Face Hub cannot be reached or refuses the repo (offline, no DNS, gated or private without a
+    # token): before model-config, whose "no config.json" the same failure prints.
+    ("hub-access", (r"OfflineModeIsEnabled|GatedRepoError|Cannot access gated repo|401 Client Error|"
+                    r"Access to model \S+ is restricted|is gated\. You must be authenticated|RepositoryNotFoundError|"
+                    r"(?:connect to|reach) '?https://huggingface\.co|(?:host=|Failed to resolve )\\?'huggingface\.co")),
     # The checkpoint's own files: a config missing, not JSON or naming no architecture, no weights where
     # vLLM looks. vLLM raises some inside its pydantic ModelConfig check, so they come before the
     # ValidationError catch-all at the end.
@@ -109,6 +114,7 @@ FAILURE_CAUSES = [
                            r"is not a registered model in the Transformers library|Cannot find model module|"
                            r"not divisible by min_thread_[kn]|size_k must divisible by|"
                            r"No \w+ (?:MoE )?backend supports|not supported for now|Unsupported CPU attention|"
+                           r"NotImplementedError: \S|"
                            r"does not support \w+ quantization|No compressed-tensors compatible scheme|"
                            r"(?:Error|Exception): .*(?:\b(?:not supported|unsupported|does not support)\b|"
                            r"\bonly\b.* (?:are|is) supported)")),
@@ -145,26 +151,6 @@ FRAMES = [
     # A socket's bind: the address or port is taken (or not this host's).
     ("port-in-use", re.compile(r"zmq/sugar/socket\.py\", line \d+, in bind\b|\w+socket\.bind\(")),
 ]
-ENGINE_FAILED = re.compile(r"EngineCore failed to start|Engine core initialization failed|WorkerProc initialization "
-                           r"failed|WorkerProc failed to start|Worker proc \S+ died unexpectedly|WorkerProc hit an "
-                           r"exception|EngineCore hit an exception|Engine process failed to start|"
-                           r"Got fatal signal from worker processes|Worker failed with error|Error executing method|"
-                           r"A worker died or was killed|RayActorError|The actor died unexpectedly|"
-                           r"Exception in worker \w+ while processing method|"
-                           r"Worker unexpectedly exits|ray::[\w:.-]+\(\)|ActorDiedError|RayTaskError|"
-                           r"Exception in Replica\(|The deployment failed to start", re.IGNORECASE)
-# A quote that holds only the engine's traceback, without the wrapper's line, shows the same death: the
-# engine core's and its workers' start-up error logs, V1 and V0 (run_mp_engine logs as "[engine.py:N]",
-# some set-ups log the file's path: "[v1/executor/multiproc_executor.py:597]"), or frames in the packages
-# that build and run the engine (its executor, workers, model construction and loading).
-ENGINE_FRAME = re.compile(r", in run_engine_core\b|vllm/v1/engine/core\.py\", line \d+, in |"
-                          r"(?:\(EngineCore\w* pid=\d+\) )?ERROR [\d-]+ [\d:]+ \[(?:[\w/]+/)?core\.py:\d+\]|"
-                          r"\((?:Worker|VllmWorker)\w*[^)]*pid=\d+\) ERROR [\d-]+ [\d:]+ "
-                          r"\[(?:[\w/]+/)?multiproc_executor\.py:\d+\]|"
-                          r"vllm/(?:v1/)?(?:engine|executor|worker|model_executor)/[\w/]+\.py\", line \d+|"
-                          r", in run_mp_engine\b|engine/multiprocessing/engine\.py\", line \d+|"
-                          r"vllm/engine/llm_engine\.py\", line \d+, in (?:__init__|_initialize_kv_caches)\b|"
-                          r"ERROR [\d-]+ [\d:]+ \[?(?:multiproc_worker_utils|engine)\.py:\d+\]")
 
 
 # What to try next, per cause: the deploy's operator reads this in the failure, before the log tail.
@@ -343,6 +329,9 @@ NEXT_STEPS: dict[str, str | Callable[[str], str]] = {
                    "another --port",
     "invalid-argument": _argument_step,
     "max-model-len-too-long": _max_len_step,
+    "hub-access": "the model could not be fetched from the Hugging Face Hub: without network, give --model the "
+                  "local snapshot directory (or HF_HUB_OFFLINE=1 with a complete cache); for a gated or private "
+                  "repo accept its licence and set HF_TOKEN; check the model id and any HTTPS_PROXY/HF_ENDPOINT",
     "model-config": "the model's files are not what vLLM needs: check that the checkpoint directory holds the "
                     "model's own config.json, valid JSON with `architectures` and `model_type`, its tokenizer "
                     "files and its weights (an interrupted download, an adapter-only or tokenizer-only repo has "

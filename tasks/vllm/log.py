@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.errors import ServerStartError
-from tasks.vllm.causes import CAUSES, ENGINE_FAILED, ENGINE_FRAME, FRAMES, NEGATIVE_KV, next_step
+from tasks.vllm.causes import CAUSES, FRAMES, NEGATIVE_KV, next_step
 
 # next_step is read from here too: a failure's cause and its next step are one answer about one log.
 __all__ = ["classify_failure", "failure_cause", "log_tail", "next_step", "read_from", "server_facts",
@@ -38,6 +38,27 @@ QUIET = {"DEBUG", "INFO", "WARNING", "WARN"}
 # The engine's and the workers' process prefixes; the API server's is "(APIServer pid=1)".
 _ENGINE = re.compile(r"\((?:EngineCore\w*|Worker\w*|VllmWorker\w*(?: rank=\d+)?|RayWorker\w*|"
                      r"VllmWorkerProcess) pid=\d+")
+# The engine's or a worker's death as vLLM, Ray and Ray Serve report it, whatever killed it.
+ENGINE_FAILED = re.compile(r"EngineCore failed to start|Engine core initialization failed|WorkerProc initialization "
+                           r"failed|WorkerProc failed to start|Worker proc \S+ died unexpectedly|WorkerProc hit an "
+                           r"exception|EngineCore hit an exception|Engine process failed to start|"
+                           r"Got fatal signal from worker processes|Worker failed with error|Error executing method|"
+                           r"A worker died or was killed|RayActorError|The actor died unexpectedly|"
+                           r"Exception in worker \w+ while processing method|"
+                           r"Worker unexpectedly exits|ray::[\w:.-]+\(\)|ActorDiedError|RayTaskError|"
+                           r"Exception in Replica\(|The deployment failed to start", re.IGNORECASE)
+# A quote that holds only the engine's traceback, without the wrapper's line, shows the same death: the
+# engine core's and its workers' start-up error logs, V1 and V0 (run_mp_engine logs as "[engine.py:N]",
+# some set-ups log the file's path: "[v1/executor/multiproc_executor.py:597]"), or frames in the packages
+# that build and run the engine (its executor, workers, model construction and loading).
+ENGINE_FRAME = re.compile(r", in run_engine_core\b|vllm/v1/engine/core\.py\", line \d+, in |"
+                          r"(?:\(EngineCore\w* pid=\d+\) )?ERROR [\d-]+ [\d:]+ \[(?:[\w/]+/)?core\.py:\d+\]|"
+                          r"\((?:Worker|VllmWorker)\w*[^)]*pid=\d+\) ERROR [\d-]+ [\d:]+ "
+                          r"\[(?:[\w/]+/)?multiproc_executor\.py:\d+\]|"
+                          r"vllm/(?:v1/)?(?:engine|executor|worker|model_executor)/[\w/]+\.py\", line \d+|"
+                          r", in run_mp_engine\b|engine/multiprocessing/engine\.py\", line \d+|"
+                          r"vllm/engine/llm_engine\.py\", line \d+, in (?:__init__|_initialize_kv_caches)\b|"
+                          r"ERROR [\d-]+ [\d:]+ \[?(?:multiproc_worker_utils|engine)\.py:\d+\]")
 _FRAME = re.compile(r'(?:\[rank\d+\]:\s*)?(?:\([^)]*pid=\d+\)\s*)*File "[^"]+", line \d+, in ')
 # Frames every call goes through, which name no step: Python's own library, torch's module call, wrappers.
 _PLUMBING = re.compile(r'/lib/python3\.\d+/(?!site-packages/|dist-packages/)[\w/]+\.py"|torch/nn/modules/module\.py"|'
