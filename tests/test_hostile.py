@@ -235,8 +235,10 @@ def write_checkpoint(folder: Path, config: dict, extra: dict | None = None, shap
     """config.json and one safetensors file: down_proj packed (16 inputs at 4 bits), lm_head bf16."""
     folder.mkdir(parents=True)
     layer = "model.layers.0.mlp.down_proj"
-    tensors = {f"{layer}.weight_shape": ("I32", [shape_values], struct.pack("<2i", 4, 16) if shape_values == 2 else b""),
-               f"{layer}.weight_packed": ("I32", [4, 2], bytes(32)), f"{layer}.weight_scale": ("BF16", [4, 1], bytes(8)),
+    values = struct.pack("<2i", 4, 16) if shape_values == 2 else b""
+    tensors = {f"{layer}.weight_shape": ("I32", [shape_values], values),
+               f"{layer}.weight_packed": ("I32", [4, 2], bytes(32)),
+               f"{layer}.weight_scale": ("BF16", [4, 1], bytes(8)),
                "lm_head.weight": ("BF16", [4, 4], bytes(32))} | (extra or {})
     header, placed, offset = {}, [], 0
     for name, (dtype, shape, raw) in tensors.items():

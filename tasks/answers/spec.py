@@ -15,7 +15,7 @@ class AnswerSpec(BaseModel):
     enabled: bool = Field(True, description="Check the new server's answers after readiness, before the benchmark")
     probes: Path | None = Field(None, description="JSONL of {\"prompt\", \"expected\"}, a path in the model repo "
                                 "or an absolute one; empty: the model's own answer-probes.jsonl where it ships one, "
-                                "else the built-in arithmetic, units and facts questions")
+                                "else the built-in arithmetic, units and facts questions; at most 256 probes in 1 MiB")
     reference_text: str | None = Field(None, description="Text whose perplexity is compared with the last good "
                                        "deployment's; empty: a built-in sentence")
     max_tokens: int = Field(16, ge=1, description="Tokens generated per probe")

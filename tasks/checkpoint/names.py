@@ -53,7 +53,8 @@ class PatternBudget:
 
     def exceeded(self, entry: str) -> CheckpointError:
         return CheckpointError(f"config.json: quantization_config: pattern {shown(entry)} still matching when the "
-                               f"{self.seconds:.0f} s all patterns get ran out: it backtracks catastrophically; refused")
+                               f"{self.seconds:.0f} s all patterns share had run out: it backtracks catastrophically; "
+                               "refused")
 
 
 @functools.lru_cache(maxsize=1024)
