@@ -182,3 +182,12 @@ def test_vllm_beyond_loopback_without_a_key_is_one_warning_line_and_the_shipped_
         assert DeployConfig(repo_id="org/m", host=host).exposure_warning() is None, host
     shipped = HostsFile.read(ROOT / "deployments" / "hosts.yaml").model
     assert shipped.host == "0.0.0.0" and shipped.api_key_secret and shipped.exposure_warning() is None
+
+
+def test_rollout_deploy_beyond_loopback_without_a_key_says_so_in_one_line_before_anything_runs(tmp_path):
+    (tmp_path / "models").mkdir()
+    ran = run([ROLLOUT, "deploy", "org/m", "--host", "0.0.0.0", "--endpoint", "http://127.0.0.1:9",
+               "--models-root", str(tmp_path / "models")], timeout=90)
+    warning, error = ran.err.strip().splitlines()  # the warning, then the unreachable hub's one line
+    assert warning.startswith("warning: vLLM listens on 0.0.0.0:8000 with no API key") and "api_key_secret" in warning
+    assert ran.rc == 2 and error.startswith("error: Hub unreachable at http://127.0.0.1:9")

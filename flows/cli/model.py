@@ -150,6 +150,8 @@ def deploy(repo_id: RepoId, **options) -> None:
     exit_on_sigterm()
     check_prefect()
     config = deploy_config(repo_id, options)
+    if warning := config.exposure_warning():  # vLLM beyond loopback with no API key: said before anything runs
+        typer.echo(f"warning: {warning}", err=True)
     check_before_the_flow(config)
     try:
         result = deploy_model(config)
