@@ -202,6 +202,8 @@ def test_next_step_for_a_flag_the_model_needs_or_cannot_take():
     assert "--trust-remote-code" in next_step("invalid-argument", fixture("invalid-argument-5244.log"))
     step = next_step("invalid-argument", fixture("invalid-argument-3304.log"))
     assert "takes no argument worker_extension_cls" in step and "another vLLM version" in step
+    assert "not awq-quantized" in next_step("invalid-argument", fixture("invalid-argument-1419.log"))
+    assert "no --dtype fits" in next_step("invalid-argument", fixture("invalid-argument-28857.log"))
     step = next_step("cuda-kernel-error", fixture("cuda-kernel-error-461.log"))
     assert "263168 bytes of shared memory, this GPU has 232448" in step
 

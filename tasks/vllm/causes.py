@@ -27,7 +27,8 @@ FAILURE_CAUSES = [
                           r"requires you to execute the configuration file|contains custom code which must be "
                           r"executed|max_num_batched_tokens \(\d+\) is smaller than max_model_len|"
                           r"does not match the quantization method specified|"
-                          r"got an unexpected keyword argument")),
+                          r"got an unexpected keyword argument|Cannot find the config file for \w+|"
+                          r"is not supported for quantization method|does not support (?:float16|bfloat16|float32)\b")),
     # More GPUs asked for than this process can see (CUDA_VISIBLE_DEVICES, the container, Ray's placement).
     ("not-enough-gpus", (r"number of required GPUs exceeds|must be less than or equal to the number of visible devices|"
                          r"No CUDA GPUs are available|has no GPU available|does not allocate any GPUs|"
@@ -119,7 +120,7 @@ FAILURE_CAUSES = [
                            r"(?:Error|Exception): .*(?:\b(?:not supported|unsupported|does not support)\b|"
                            r"\bonly\b.* (?:are|is) supported)")),
     # A pydantic check of vLLM's config that none of the above names is still the command's fault.
-    ("invalid-argument", r"ValidationError"),
+    ("invalid-argument", r"ValidationError|\[type=value_error"),
 ]
 CAUSES = [(cause, re.compile(pattern, re.IGNORECASE)) for cause, pattern in FAILURE_CAUSES]
 
@@ -148,6 +149,8 @@ FRAMES = [
                         r", in tensor_model_parallel_all_(?:reduce|gather)\b|"
                         r"parallel_state\.py\", line \d+, in (?:all_reduce|all_gather|broadcast)\b|"
                         r"distributed_c10d\.py\", line \d+, in (?:all_reduce|all_gather\w*|broadcast\w*|barrier)\b")),
+    # The API server's traceback cut as it builds the engine client: the engine did not come up.
+    ("engine-failed", re.compile(r", in build_async_engine_client(?:_from_engine_args)?\s*$")),
     # A socket's bind: the address or port is taken (or not this host's).
     ("port-in-use", re.compile(r"zmq/sugar/socket\.py\", line \d+, in bind\b|\w+socket\.bind\(")),
 ]
@@ -215,6 +218,17 @@ def _argument_step(log: str) -> str:
                       re.IGNORECASE):
         return (f"--quantization {m[2]} contradicts the checkpoint's own {m[1]}: drop --quantization (vLLM reads it "
                 "from the checkpoint) or give the one its config names")
+    if m := re.search(r"Cannot find the config file for (\w+)", log):
+        return (f"--quantization {m[1]} was asked of a checkpoint that is not {m[1]}-quantized: drop --quantization, "
+                "or quantize the checkpoint first and serve that")
+    quant_dtypes = _number(r"Supported dtypes: \[([^\]]+)\]", log)
+    if refused := _number(r"does not support (float16|bfloat16|float32)\b", log):
+        if quant_dtypes and refused in quant_dtypes:
+            return (f"the quantization takes only {quant_dtypes.replace('torch.', '')} and the model refuses "
+                    f"{refused}: no --dtype fits; serve another quantization of this model")
+        return f"--dtype {refused} does not suit this model: pass --dtype bfloat16 (or float32)"
+    if quant_dtypes:
+        return f"--dtype does not suit the quantization: pass --dtype {quant_dtypes.replace('torch.', '')}"
     if re.search(r"trust_remote_code=True|requires you to execute the configuration file", log):
         return ("the model ships its own code: start with --trust-remote-code (after reading that code), or "
                 "serve a checkpoint whose architecture this vLLM has built in")

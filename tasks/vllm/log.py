@@ -61,7 +61,8 @@ ENGINE_FRAME = re.compile(r", in run_engine_core\b|vllm/v1/engine/core\.py\", li
                           r"ERROR [\d-]+ [\d:]+ \[?(?:multiproc_worker_utils|engine)\.py:\d+\]")
 _FRAME = re.compile(r'(?:\[rank\d+\]:\s*)?(?:\([^)]*pid=\d+\)\s*)*File "[^"]+", line \d+, in ')
 # Frames every call goes through, which name no step: Python's own library, torch's module call, wrappers.
-_PLUMBING = re.compile(r'/lib/python3\.\d+/(?!site-packages/|dist-packages/)[\w/]+\.py"|torch/nn/modules/module\.py"|'
+_PLUMBING = re.compile(r'/lib(?:64)?/python3\.\d+/(?!site-packages/|dist-packages/)[\w/]+\.py"|'
+                       r'torch/nn/modules/module\.py"|'
                        r'torch/utils/_contextlib\.py"|vllm/tracing/otel\.py"')
 _EXCEPTION = re.compile(r"(?:^|[\s\]>)])(?:[\w.]+\.)?[A-Z]\w*(?:Error|Exception|Exit)\b(?::|$)")
 
