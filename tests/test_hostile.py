@@ -277,9 +277,10 @@ def _bits(n):
     ({**_bits(4), "num_nextn_predict_layers": "x"}, ["num_nextn_predict_layers"]),
     ({**_bits(4), "n_routed_experts": -3}, ["n_routed_experts"]),
     ({**CONFIG, "quantization_config": QUANT | {"ignore": ["re:("]}}, ["'re:('", "not a valid regular expression"]),
+    ({**CONFIG, "quantization_config": QUANT | {"ignore": ["re:[[:alpha:]]+"]}}, ["Possible nested set"]),
     ({**CONFIG, "quantization_config": [QUANT]}, ["quantization_config", "not an object"]),
 ], ids=["bits-0", "bits-64", "bits-2^63", "text-config-list", "layers-text", "layers-1.2e29-float",
-        "layers-1.2e29-int", "nextn-text", "experts-negative", "unbalanced-regex", "quant-config-list"])
+        "layers-1.2e29-int", "nextn-text", "experts-negative", "unbalanced-regex", "nested-set", "quant-config-list"])
 def test_malformed_config_values_are_one_line_naming_the_field_exit_2(tmp_path, config, words):
     ran = run([ROLLOUT, "validate", str(write_checkpoint(tmp_path / "m", config))])
     assert ran.rc == 2, ran

@@ -13,6 +13,7 @@ import functools
 import os
 import re
 import time
+import warnings
 from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Iterator
@@ -63,11 +64,17 @@ def compile_entry(entry: str) -> regex.Pattern:
     would, so a pattern it refuses is refused here too."""
     body = entry.removeprefix("re:")
     try:
-        re.compile(body)
-        return regex.compile(body)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            re.compile(body)
+        compiled = regex.compile(body)
     except (re.error, regex.error, RecursionError, OverflowError) as exc:
         raise CheckpointError(f"config.json: quantization_config: entry {shown(entry)} is not a valid "
                               f"regular expression ({exc})") from exc
+    if said:  # re's FutureWarning: a nested set or set operation, `[[:alpha:]]`, which regex reads otherwise
+        raise CheckpointError(f"config.json: quantization_config: entry {shown(entry)}: {said[0].message}, which "
+                              "Python's re and the regex engine read differently; write it without")
+    return compiled
 
 
 def match_name(name: str, target: str, budget: PatternBudget | None = None) -> bool:
