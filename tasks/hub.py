@@ -41,11 +41,8 @@ from tasks.errors import (
     RolloutError,
     first_line,
 )
-from tasks.hub_wire import CHUNK, HashingFile, RepoFile, model_info, new_hasher, repo_file
+from tasks.hub_wire import HashingFile, RepoFile, model_info, repo_file
 from tasks.trust import check_commit, check_filename, check_tree, env_secret, inside, shown
-
-# check_filename stays importable from here (the mirror, the tests); the rule is in tasks/trust.py
-__all__ = ["CHUNK", "RepoFile", "check_filename", "new_hasher"]
 
 PART_SUFFIX = ".part"  # bytes of a blob still coming in; never visible under snapshots/
 MIRROR_TOKEN_ENV = "ROLLOUT_MIRROR_TOKEN"  # the fleet's shared mirror token; never the HF token
