@@ -9,13 +9,13 @@ read that grows until memory or the disk runs out.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import time
 import unicodedata
 from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
-from urllib.parse import urlsplit
 
 from tasks.errors import HubError, UnusableInput
 
@@ -26,7 +26,7 @@ SHA256 = re.compile(r"[0-9a-f]{64}")  # an LFS file's content hash, its blob's n
 MAX_NAME_PART_BYTES = 255
 MAX_NAME_BYTES = 1024
 MAX_FILE_BYTES = 1 << 40  # 1 TiB: no model file comes near; a size beyond it is a lie that plans the disk wrong
-MAX_REPO_FILES = 100_000  # the Hub's own limit per repo
+MAX_REPO_FILES = 100_000  # the Hub advises at most this many files a repo; Kimi-K2.5 has ~80
 
 
 def check_commit(sha: object, *, where: str) -> str:
@@ -95,15 +95,6 @@ def inside(root: Path, path: Path, *, what: str) -> Path:
     return resolved
 
 
-def same_origin(url: str, other: str) -> bool:
-    """Scheme, host and port alike (a missing port is the scheme's default), as a browser judges it."""
-    def origin(u: str) -> tuple[str, str, int]:
-        parts = urlsplit(u)
-        return parts.scheme, (parts.hostname or "").lower(), parts.port or {"http": 80, "https": 443}.get(
-            parts.scheme, 0)
-    return origin(url) == origin(other)
-
-
 class TooLarge(UnusableInput):
     """A body that went past the bound stated for it; the read stopped there."""
 
@@ -138,24 +129,28 @@ def read_file_bounded(path: Path, *, limit: int, what: str | None = None) -> byt
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
+def _escaped(match: re.Match) -> str:
+    code = ord(match[0])
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
 def shown(value: object, limit: int = 80) -> str:
     """A value from outside as one printable line: repr'd, control characters escaped, cut short."""
-    text = _CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}", repr(value))
+    text = _CONTROL.sub(_escaped, repr(value))
     return text if len(text) <= limit else f"{text[:limit]}...({len(text):,} chars)"
 
 
 def printable(text: str) -> str:
     """Text that names outside things (tensor names, ignore entries), on one line: control characters
     and newlines escaped, so a name cannot forge a line of the report or move the terminal."""
-    return _CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}", text)
+    return _CONTROL.sub(_escaped, text)
 
 
 def loopback(host: str) -> bool:
-    """Whether an address to listen on is reachable from this machine only."""
-    import ipaddress
-
-    if host in ("localhost", "") or host.startswith("localhost."):
-        return host != ""  # "" binds every interface
+    """Whether an address to listen on is reachable from this machine only ("" and 0.0.0.0 are
+    every interface)."""
+    if host == "localhost":
+        return True
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
