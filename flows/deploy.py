@@ -191,6 +191,8 @@ def _claim_host(config: DeployConfig) -> LastGood | None:
     if config.take_over and (stopped := take_over(config.run_dir)):
         logger.warning("took over the host: damaged records set aside, vLLM process groups %s stopped", stopped)
     check_state_files(config.run_dir)
+    if warning := config.exposure_warning():  # said in the run's log, whoever started it (UI, nightly, CLI)
+        logger.warning(warning)
     if (crashed := mark_crashed(abandoned_swap(config.run_dir))) is not None:
         logger.warning("flow run %s died mid-swap; marked Crashed", crashed)
     if serving_headless(config.run_dir / "server.json"):

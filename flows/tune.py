@@ -61,6 +61,8 @@ def tune_model(config: TuneConfig) -> list[CandidateResult]:
     deploy = config.deploy.model_copy(update={"use_tuned": False})
     started = time.monotonic()
     with host_lock(run_dir=deploy.run_dir):
+        if warning := deploy.exposure_warning():
+            logger.warning(warning)
         previous = serving_deployment(deploy.run_dir)
         with warming_option_table(deploy.run_dir):
             prepared = prepare_steps(deploy, run_prefix="tune ")
