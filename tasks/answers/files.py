@@ -31,7 +31,8 @@ from typing import Any
 from pydantic import BaseModel
 from safetensors import safe_open
 
-from tasks.errors import CheckpointError
+from tasks.errors import CheckpointError, UnusableInput
+from tasks.trust import read_file_bounded
 
 # Files that say which token is which id: any byte changed is a changed vocabulary.
 VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json", "merges.txt", "vocab.txt")
@@ -61,13 +62,23 @@ class FilesComparison(BaseModel):
         return [f"{c.file}: {c.change} ({c.why})" for c in self.changes if c.fails]
 
 
+# A repo's JSON is compared whole, so read to a bound: Kimi's tokenizer_config.json is kilobytes,
+# a large tokenizer.json tens of megabytes.
+MAX_JSON_BYTES = 256 * 1024 * 1024
+
+
 def _json(path: Path) -> dict[str, Any] | None:
+    """The file's JSON object; None where it is absent; CheckpointError where it is larger than any
+    such file, not JSON, or not an object (a list where a dict is read would crash the comparison)."""
     try:
-        return json.loads(path.read_text())
+        value = json.loads(read_file_bounded(path, limit=MAX_JSON_BYTES))
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: not readable JSON ({exc})") from exc
+    except (OSError, ValueError, UnusableInput) as exc:
+        raise CheckpointError(f"{path}: not readable JSON ({str(exc).splitlines()[0][:200]})") from exc
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    return value
 
 
 def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
@@ -136,7 +147,7 @@ def _vocabulary(model_dir: Path) -> dict[str, int] | None:
 def _vocabulary_change(old_dir: Path, new_dir: Path) -> str | None:
     changed = [name for name in VOCAB_FILES
                if (old_dir / name).is_file() != (new_dir / name).is_file()
-               or ((old_dir / name).is_file() and (old_dir / name).read_bytes() != (new_dir / name).read_bytes())]
+               or ((old_dir / name).is_file() and _blob(old_dir / name) != _blob(new_dir / name))]
     if not changed:
         return None
     old, new = _vocabulary(old_dir), _vocabulary(new_dir)

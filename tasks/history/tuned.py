@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
+from tasks.trust import read_state_text
 from tasks.vllm.settings import VllmSettings
 
 
@@ -27,17 +28,20 @@ def tuned_file(run_dir: Path) -> Path:
 def read_tuned(run_dir: Path, repo_id: str) -> TunedSettings | None:
     """None without a promotion for this model (or an unreadable file: it must not block a deploy)."""
     try:
-        tuned = {k: TunedSettings.model_validate(v) for k, v in json.loads(tuned_file(run_dir).read_text()).items()}
-    except (FileNotFoundError, ValueError, ValidationError):
+        every = json.loads(read_state_text(tuned_file(run_dir)))
+        found = every.get(repo_id) if isinstance(every, dict) else None
+        return TunedSettings.model_validate(found) if found is not None else None
+    except (FileNotFoundError, ValueError, ValidationError):  # absent, too large, not JSON, not a record
         return None
-    return tuned.get(repo_id)
 
 
 def write_tuned(run_dir: Path, tuned: TunedSettings) -> None:
     path = tuned_file(run_dir)
     try:
-        every = json.loads(path.read_text())
+        every = json.loads(read_state_text(path))
     except (FileNotFoundError, ValueError):
+        every = {}
+    if not isinstance(every, dict):  # a damaged record is replaced by this promotion
         every = {}
     every[tuned.repo_id] = tuned.model_dump(mode="json")
     run_dir.mkdir(parents=True, exist_ok=True)
