@@ -53,7 +53,7 @@ def test_broken_config_json_dies_with_the_config_cause(hub_root, tmp_path):
     try:
         with pytest.raises(ServerStartError) as info:
             wait_ready(handle, "tiny", timeout_s=300)
-        assert info.value.cause == "unsupported-model", str(info.value)
+        assert info.value.cause == "model-config", str(info.value)  # a config.json that is not JSON
         assert "exited with code" in str(info.value)
         assert info.value.log_tail
     finally:
