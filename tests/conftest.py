@@ -31,8 +31,9 @@ from testkit.webhook import WebhookReceiver  # noqa: E402
 # its two workers in collection order (the Makefile turns off its reordering by tests per file), two
 # to each at first, and the parallel part ends when its last file does. Started late, the fleet test
 # kept it 4 minutes longer (a fresh clone's .ci/run: 27.4 minutes in this order, 28.7 in xdist's).
-LONGEST_FIRST = ("test_fleet.py", "test_operator.py", "test_answers_rollout.py", "test_tune.py", "test_cancel.py",
-                 "test_ui.py", "test_lock_restart.py", "test_nightly_schedule.py")
+LONGEST_FIRST = ("test_fleet.py", "test_operator.py", "test_answers_rollout.py", "test_tune.py",
+                 "test_swap_signal.py", "test_cancel.py", "test_ui.py", "test_lock_restart.py", "test_prefect_lost.py",
+                 "test_hostile.py", "test_nightly_schedule.py")
 
 
 def pytest_collection_modifyitems(items):

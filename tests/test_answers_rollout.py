@@ -265,15 +265,15 @@ def test_damaged_revisions_are_caught_by_the_check_named_and_the_good_one_serves
         # Its vLLM was launched while the good one still answered, held at its gate until the stop.
         assert "vllm.entrypoints.openai.api_server imported; waiting at" in (config.run_dir / "vllm.log").read_text()
 
-        # An unchanged redeploy (the same commit, from the form) passes, every time: greedy answers
-        # of the same weights do not move, so no probe flips and no output changes.
-        for _ in range(2):
-            deploy_model(config)
-            answers = artifact(f"answers-{model_slug(repo_id)}").data
-            assert answers.startswith("# Answer check: passed"), answers
-            rows = [row.split(" | ") for row in answers.splitlines() if row.startswith(("| completion |", "| chat |"))]
-            assert len(rows) == 64 and all(row[3] == row[4] for row in rows), answers
-        assert [r.status for r in read_history(repo_id)] == ["passed"] + ["failed"] * 4 + ["passed"] * 3
+        # An unchanged redeploy (the same commit, from the form) passes: greedy answers of the same
+        # weights do not move, so no probe flips and no output changes. (Once: the re-publish above is
+        # the other passing redeploy of these weights; a second one here cost a minute of the suite.)
+        deploy_model(config)
+        answers = artifact(f"answers-{model_slug(repo_id)}").data
+        assert answers.startswith("# Answer check: passed"), answers
+        rows = [row.split(" | ") for row in answers.splitlines() if row.startswith(("| completion |", "| chat |"))]
+        assert len(rows) == 64 and all(row[3] == row[4] for row in rows), answers
+        assert [r.status for r in read_history(repo_id)] == ["passed"] + ["failed"] * 4 + ["passed"] * 2
     finally:
         reap_stale(state)
         shutil.rmtree(repo, ignore_errors=True)
