@@ -104,11 +104,11 @@ class FaultyHandler(HubHandler):
                 chunk[flip - pos] ^= 0xFF
                 chunk = bytes(chunk)
             if chunk:
-                self.wfile.write(chunk)
-                pos += len(chunk)
-                with hub._lock:
+                with hub._lock:  # counted before it goes: a client that has the bytes finds them counted
                     hub.file_bytes_sent += len(chunk)
                     hub.bytes_sent_by_file[rel] += len(chunk)
+                self.wfile.write(chunk)
+                pos += len(chunk)
             if cut is not None and pos >= cut:
                 self._cut(fault.kind)
                 return
