@@ -9,6 +9,7 @@ import time
 import pytest
 
 from tasks.vllm.gap import GapProbe
+from testkit.json_reply import send_json
 from testkit.openai_server import StreamingServer
 
 pytestmark = pytest.mark.quiet  # measures speed: runs alone, before the parallel part (Makefile)
@@ -81,12 +82,7 @@ class _Answering:
             def do_POST(self):  # noqa: N802
                 self.rfile.read(int(self.headers["Content-Length"]))
                 time.sleep(outer.delay_s)
-                data = json.dumps(outer.body).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                send_json(self, outer.body)
 
             def log_message(self, *args):
                 pass

@@ -15,6 +15,7 @@ import pytest
 from tasks.answers.check import ChatModes, Probe
 from tasks.answers.server_check import check_answers
 from tasks.answers.spec import AnswerSpec
+from testkit.json_reply import send_json
 
 PROBES = [Probe(prompt=f"{n} {n + 1} {n + 2}", expected=f"{n + 3} {n + 4}") for n in range(10, 30, 2)]
 THOUGHT_TOKENS = 40  # what the fake model thinks before it answers, in tokens
@@ -56,12 +57,7 @@ class _Kimi(BaseHTTPRequestHandler):
                     "usage": {"prompt_tokens": 3, "completion_tokens": min(budget, THOUGHT_TOKENS + 3)}})
 
     def _send(self, payload: dict) -> None:
-        data = json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": "kimi", **payload}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_json(self, {"id": "x", "object": "chat.completion", "created": 0, "model": "kimi", **payload})
 
     def log_message(self, *args):
         pass
