@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 from test_hostile import ROLLOUT, deadline, honest, hostile, one_line, run  # noqa: F401 (fixtures)
+from testkit.prefect_processes import wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,14 +49,7 @@ def test_rollout_mirror_beyond_loopback_asks_for_the_fleet_token_and_says_whom_i
     served = subprocess.Popen(mirror, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                               env={**os.environ, "ROLLOUT_MIRROR_TOKEN": token})
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                assert time.monotonic() < deadline and served.poll() is None, served.stderr.read()
-                time.sleep(0.1)
+        wait_healthy(served, f"http://127.0.0.1:{port}")
         url = f"http://127.0.0.1:{port}/org/m/resolve/{snap.commit}/config.json"
         assert httpx.get(url).status_code == 401  # an anonymous curl gets nothing, gated or not
         assert httpx.get(url, headers={"Authorization": "Bearer guess"}).status_code == 401

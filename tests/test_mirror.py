@@ -16,6 +16,7 @@ from test_hub import assert_complete_or_absent
 from tasks.hub import fetch_file, resolve_snapshot, snapshot_dir
 from tasks.mirror import CacheMirror
 from testkit.faulty_mirror import FaultyMirror
+from testkit.prefect_processes import wait_healthy
 
 
 @pytest.fixture
@@ -100,14 +101,7 @@ def test_rollout_mirror_serves_a_models_root_until_stopped(hub, canary_cache, tm
     served = subprocess.Popen([sys.executable, "-m", "flows.cli", "mirror", "--models-root", str(canary_cache.parent),
                                "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                assert time.monotonic() < deadline and served.poll() is None, served.stderr.read()
-                time.sleep(0.2)
+        wait_healthy(served, f"http://127.0.0.1:{port}")
         result = fetch_file(snap, snap.files[0], tmp_path / "host2" / "hub", endpoint=hub.endpoint,
                             mirror=f"http://127.0.0.1:{port}")
         assert result.source == "mirror"

@@ -43,6 +43,15 @@ def healthy(url: str) -> bool:
         return False
 
 
+def wait_healthy(process: subprocess.Popen, base_url: str, timeout_s: float = 30.0) -> None:
+    """Until the server `process` runs answers /health at base_url; one that exits first, or a
+    deadline passed, fails with its stderr."""
+    deadline = time.monotonic() + timeout_s
+    while not healthy(base_url):
+        assert time.monotonic() < deadline and process.poll() is None, process.stderr.read() if process.stderr else ""
+        time.sleep(0.1)
+
+
 def stop(process: subprocess.Popen) -> None:
     """SIGTERM to the group, SIGKILL if it is still there after a grace (a worker may wait on runs)."""
     os.killpg(process.pid, signal.SIGTERM)
