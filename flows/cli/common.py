@@ -88,12 +88,15 @@ def deploy_config(repo_id: str, options: dict) -> DeployConfig:
 def check_prefect() -> None:
     """A Prefect API that does not answer is one line naming it, in seconds: not five minutes of
     retries and event-worker dumps that name neither Prefect nor the URL. Without PREFECT_API_URL
-    the embedded server starts with the command."""
+    the embedded server starts with the command, its own logs to a file (embedded_server.py)."""
     import httpx
     from prefect.settings import PREFECT_API_URL
 
     url = PREFECT_API_URL.value()
     if not url:
+        from flows.cli.embedded_server import route_server_logs
+
+        route_server_logs()
         return
     try:
         httpx.get(f"{url.rstrip('/')}/health", timeout=10).raise_for_status()
