@@ -74,6 +74,7 @@ def prefect_server(home: Path, ui: bool = False, port: int | None = None) -> Ite
            "PREFECT_UI_API_URL": url,  # what the UI in a browser calls; it defaults to port 4200
            "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": LEASES_ON_DISK}
     env.pop("PREFECT_API_URL", None)
+    env.pop("PREFECT_LOGGING_SETTINGS_PATH", None)  # an in-process CLI test's embedded-server routing: this log keeps all
     log = home / f"server-{time.time():.0f}.log"
     server = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                               env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
