@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.errors import ServerStartError
-from tasks.vllm.causes import CAUSES, FRAMES, NEGATIVE_KV, next_step
+from tasks.vllm.causes import CAUSES, FRAMES, NEGATIVE_KV
+from tasks.vllm.next_steps import next_step
 
 # next_step is read from here too: a failure's cause and its next step are one answer about one log.
 __all__ = ["classify_failure", "failure_cause", "log_tail", "next_step", "read_from", "server_facts",
