@@ -56,7 +56,9 @@ FAILURE_CAUSES = [
                       r"config\.json\W*(?:not found|does not exist)|No supported config format found|"
                       r"Could not detect config format|does not appear to have a file named|"
                       r"Cannot find any model weights|Failed to load the tokenizer|Can't load tokenizer|"
-                      r"No tokenizer file found|SafetensorError|Error while deserializing header")),
+                      r"No tokenizer file found|SafetensorError|Error while deserializing header|"
+                      # huggingface_hub's word for a --model that is neither a directory here nor a repo id
+                      r"Repo id must be in the form")),
     # The GPU is older than what the checkpoint's quantization, dtype or kernel needs; checked before the
     # generic "not supported" of unsupported-model and before a Triton CompilationError that only wraps it.
     ("gpu-capability", (r"not supported for the current GPU|(?:Min(?:imum)?|Current) capability: \d+|"
@@ -112,12 +114,18 @@ FAILURE_CAUSES = [
                         r"/ld: cannot find -l\w+|"
                         # a JIT build at start with no CUDA toolkit, or one that does not fit the GPU or itself
                         r"nvcc: not found|Could not find nvcc|CUDA compiler and CUDA toolkit headers are "
-                        r"incompatible|SM \d+\.?\w* requires CUDA >= ?[\d.]+")),
+                        r"incompatible|SM \d+\.?\w* requires CUDA >= ?[\d.]+|"
+                        # ptxas (Triton's or the toolkit's) that does not know the GPU's architecture
+                        r"Value 'sm_\w+' is not defined for option 'gpu-name'")),
     ("unsupported-model", (r"Model architectures? .* (?:are|is) not supported|does not recognize this architecture|"
                            r"Error in inspecting model architecture|failed to be inspected|"
                            r"is not a registered model in the Transformers library|Cannot find model module|"
-                           r"not divisible by min_thread_[kn]|size_k must divisible by|"
+                           r"not divisible by min_thread_[kn]|size_k must divisible by|is not divisible by tile_[kn]_size|"
                            r"No \w+ (?:MoE )?backend supports|not supported for now|Unsupported CPU attention|"
+                           # no attention backend for the model and GPU: none valid, or the one asked for needs more
+                           r"No valid attention backend found|(?-i:\b[A-Z][A-Z0-9]*_[A-Z0-9_]+ requires an? )|"
+                           # features that cannot be combined for the model (a hybrid model's KV cache offloaded)
+                           r"failed to convert the KV cache specs to one unified type|"
                            r"NotImplementedError: \S|"
                            r"does not support \w+ quantization|No compressed-tensors compatible scheme|"
                            r"(?:Error|Exception): .*(?:\b(?:not supported|unsupported|does not support)\b|"
@@ -153,7 +161,8 @@ FRAMES = [
                         r"parallel_state\.py\", line \d+, in (?:all_reduce|all_gather|broadcast)\b|"
                         r"distributed_c10d\.py\", line \d+, in (?:all_reduce|all_gather\w*|broadcast\w*|barrier)\b")),
     # The API server's traceback cut as it builds the engine client: the engine did not come up.
-    ("engine-failed", re.compile(r", in build_async_engine_client(?:_from_engine_args)?\s*$")),
+    ("engine-failed", re.compile(r", in build_async_engine_client(?:_from_engine_args)?\s*$|"
+                                 r"\bin wait_for_engine_startup\b")),
     # A socket's bind: the address or port is taken (or not this host's).
     ("port-in-use", re.compile(r"zmq/sugar/socket\.py\", line \d+, in bind\b|\w+socket\.bind\(")),
 ]
