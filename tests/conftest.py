@@ -74,8 +74,11 @@ def _demo_repos_built_once() -> Path:
 
     import flows.demo
     import flows.demo.checkpoint
+    import flows.demo.kimi
+    import flows.demo.kimi_model
 
-    recipe = b"".join(Path(m.__file__).read_bytes() for m in (flows.demo, flows.demo.checkpoint))
+    sources = [Path(m.__file__) for m in (flows.demo, flows.demo.checkpoint, flows.demo.kimi, flows.demo.kimi_model)]
+    recipe = b"".join(p.read_bytes() for p in [*sources, *sorted(flows.demo.kimi.FILES.iterdir())] if p.is_file())
     built = Path(tempfile.gettempdir()) / f"rollout-demo-repos-{hashlib.sha256(recipe).hexdigest()[:12]}"
     with open(f"{built}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -52,3 +52,49 @@ def test_a_restarted_server_frees_a_dead_deploys_host_within_two_minutes(tmp_pat
         freed = time.monotonic() - died
     print(f"host lock free again {freed:.0f} s after the deploy died (lease {LEASE_S:.0f} s)")
     assert freed < 120
+
+
+EMBEDDED_HOLD = """
+import time
+import flows.cli.common  # the CLI's environment: Prefect's embedded server, leases on disk
+from tasks.orchestration.host_lock import host_lock
+with host_lock("embedded-test"):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+EMBEDDED_TAKE = """
+import flows.cli.common
+from tasks.orchestration.host_lock import host_lock
+try:
+    with host_lock("embedded-test", wait_s=3):
+        print("granted")
+except Exception as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+def test_on_the_embedded_server_a_dead_deploys_lapsed_lease_frees_the_host(tmp_path):
+    """`make demo` killed mid-deploy, then run again: Prefect's embedded server (no PREFECT_API_URL,
+    started for each command) runs no repossessor, so the dead deploy's lease, lapsed, still held the
+    host, and every later deploy on the machine was refused as busy. The lapse is simulated by dating
+    the lease 2 minutes back in Prefect's own files (instead of waiting its 60 s out)."""
+    import json
+    from datetime import datetime, timedelta, timezone
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env |= {"PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    holder = subprocess.Popen([sys.executable, "-c", EMBEDDED_HOLD], env=env, stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    assert holder.stdout.readline().strip() == "held"
+    os.killpg(holder.pid, signal.SIGKILL)  # the deploy and its embedded server, at once
+    holder.wait(timeout=30)
+    leases = tmp_path / "prefect-home" / "concurrency_leases"
+    lapsed = (datetime.now(timezone.utc) - timedelta(minutes=2)).isoformat()
+    index = json.loads((leases / "expirations.json").read_text())
+    for lease_id in index:
+        lease = json.loads((leases / f"{lease_id}.json").read_text())
+        (leases / f"{lease_id}.json").write_text(json.dumps({**lease, "expiration": lapsed}))
+    (leases / "expirations.json").write_text(json.dumps({lease_id: lapsed for lease_id in index}))
+    taken = subprocess.run([sys.executable, "-c", EMBEDDED_TAKE], env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert taken.stdout.strip().splitlines()[-1] == "granted", taken.stdout + taken.stderr

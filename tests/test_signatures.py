@@ -13,6 +13,8 @@ MAX_POSITIONAL_PARAMS = 3
 MAX_POSITIONAL_ARGS = 4
 # Callees whose signatures are variadic by design: a log line's arguments, an executor's, itertools'.
 VARIADIC = {"debug", "info", "warning", "error", "exception", "print", "submit", "product", "option_context"}
+# A model repo's own code, shipped as the model's files: its overrides keep transformers' signatures.
+MODEL_FILES = ROOT / "flows" / "demo" / "kimi_files"
 
 
 def overflows(source: str, where: str) -> list[str]:
@@ -33,7 +35,7 @@ def overflows(source: str, where: str) -> list[str]:
 
 def test_public_functions_take_at_most_three_positional_parameters_and_calls_at_most_four():
     found = [line for path in sorted((ROOT / "flows").rglob("*.py")) + sorted((ROOT / "tasks").rglob("*.py"))
-             for line in overflows(path.read_text(), str(path.relative_to(ROOT)))]
+             if MODEL_FILES not in path.parents for line in overflows(path.read_text(), str(path.relative_to(ROOT)))]
     assert found == []
 
 

@@ -46,7 +46,7 @@ def demo(
     exit_on_sigterm()
     check_prefect()
     try:
-        int4, result = run_demo(work_dir.absolute(), say=lambda line: typer.echo(line, err=True))
+        int4, result, kimi_int4, kimi = run_demo(work_dir.absolute(), say=lambda line: typer.echo(line, err=True))
     except Exception as exc:
         fail(exc)
     typer.echo(f"\nINT4 variant {int4.repo_id}: validation {int4.validation.verdict} "
@@ -62,6 +62,17 @@ def demo(
                    "compares; `rollout deploy` and the nightly gate at 10%, outside the noise.")
     else:
         typer.echo(f"\nFirst demo run in {work_dir}: the next one will compare itself with this one.")
+    for prepared, deployed in ((kimi_int4, kimi),) if kimi is not None else ():
+        typer.echo(f"\nINT4 variant {prepared.repo_id}: validation {prepared.validation.verdict} "
+                   f"({prepared.validation.modules_packed} packed modules, in text_config as Kimi-K2.5 has them)")
+        typer.echo(f"Deployed {deployed.prepared.repo_id}@{deployed.prepared.commit[:12]}: Kimi-K2.5's tiktoken tokenizer "
+                   "(remote code, consented), its thinking template, the kimi_k2 parsers, a vision tower")
+        if (answers := deployed.record.answers) is not None:
+            typer.echo(f"Answer check passed: {answers.accuracy:.0%} of {len(answers.outputs)} probes answered right "
+                       "(completion, chat in instant mode, the reasoning probe thinking, a tool call parsed back)")
+        peak = max(deployed.results, key=lambda r: r.output_throughput, default=None)
+        if peak is not None:
+            typer.echo(f"Peak {peak.output_throughput:.0f} output tok/s at concurrency {peak.concurrency}")
     typer.echo(
         "\nThe runs, their artifacts (deploy-demo-tiny-moe: the run's summary) and logs are in Prefect's database."
         "\nOpen them in the UI:  prefect server start   then browse http://127.0.0.1:4200/runs"

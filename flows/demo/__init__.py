@@ -14,20 +14,30 @@ from flows.demo.checkpoint import PROBES_FILE, build_bf16, build_int4, reference
 
 BF16_REPO = "demo/tiny-moe"
 INT4_REPO = "demo/tiny-moe-int4"
+# The tiny Kimi-K2.5 (flows/demo/kimi.py): Kimi's config, tokenizer code, template and parsers.
+KIMI_REPO = "demo/tiny-kimi-k2.5"
+KIMI_INT4_REPO = "demo/tiny-kimi-k2.5-int4"
 
 
 def build_demo_repos(hub_root: Path, say=lambda line: None) -> None:
-    """Create both repos once; a re-run reuses them (same files, same commit sha). `say` hears what
-    takes a while: the first run trains the tiny model for a few minutes on two cores."""
-    bf16 = hub_root / BF16_REPO
-    if not (bf16 / "config.json").exists():
-        say(f"building {BF16_REPO}: training a tiny MoE to count and continue cycles (about a minute on 2 cores, "
-                "once)")
-        build_bf16(bf16)
-    int4 = hub_root / INT4_REPO
-    if not (int4 / "config.json").exists():
-        say(f"building {INT4_REPO}: its experts quantized to INT4 in the compressed-tensors layout")
-        build_int4(bf16, int4)
+    """Create the four repos once; a re-run reuses them (same files, same commit sha). `say` hears
+    what takes a while: the first run trains the two tiny models for about a minute each on two cores."""
+    from flows.demo.kimi_model import build_kimi_bf16, build_kimi_int4
+
+    steps = [
+        (BF16_REPO, lambda out: build_bf16(out),
+         "training a tiny MoE to count and continue cycles (about a minute on 2 cores, once)"),
+        (INT4_REPO, lambda out: build_int4(hub_root / BF16_REPO, out),
+         "its experts quantized to INT4 in the compressed-tensors layout"),
+        (KIMI_REPO, lambda out: build_kimi_bf16(out), "Kimi-K2.5's layout, tokenizer and template, trained to answer "
+                                                      "by completion, chat, reasoning and tool call (about a minute, once)"),
+        (KIMI_INT4_REPO, lambda out: build_kimi_int4(hub_root / KIMI_REPO, out),
+         "its experts in INT4, the block in text_config as Kimi-K2.5 keeps it"),
+    ]
+    for repo, build, what in steps:
+        if not (hub_root / repo / "config.json").exists():
+            say(f"building {repo}: {what}")
+            build(hub_root / repo)
 
 
 def demo_config(endpoint: str, models_root: Path, **overrides):
@@ -74,20 +84,34 @@ def demo_config(endpoint: str, models_root: Path, **overrides):
     return DeployConfig(**{**settings, **overrides})
 
 
-def run_demo(work_dir: Path, say=lambda line: None):
-    """Returns (INT4 PreparedModel, bf16 DeployResult)."""
+def kimi_demo_config(endpoint: str, models_root: Path):
+    """The tiny Kimi-K2.5's deploy: the demo's settings, the demo's consent to the tokenizer code it
+    wrote itself (a deploy says so in one line and records it), and a shorter sweep."""
+    return demo_config(endpoint, models_root, repo_id=KIMI_REPO, trust_remote_code=True, max_regression=None,
+                       concurrency_levels=[1, 2, 4, 8], level_duration_s=2.0)
+
+
+def run_demo(work_dir: Path, say=lambda line: None, *, kimi: bool = True) -> list:
+    """[INT4 PreparedModel, bf16 DeployResult, Kimi INT4 PreparedModel, Kimi DeployResult]; with
+    `kimi` off, the last two are None (the suite deploys the tiny Kimi through the CLI instead)."""
     from flows.demo.hub_server import LocalHub  # here: `python -m flows.demo.hub_server` imports this package first
     from flows.deploy import deploy_model
     from flows.prepare import prepare_model
 
     hub_root = work_dir / "hub"
     build_demo_repos(hub_root, say)
-    say(f"serving {hub_root} as a local Hub; deploying {BF16_REPO} on vLLM (CPU)")
+    say(f"serving {hub_root} as a local Hub; deploying {BF16_REPO}" + (f", then {KIMI_REPO}," if kimi else "")
+        + " on vLLM (CPU)")
+    models = work_dir / "models"
     with LocalHub(hub_root) as hub:
         os.environ["HF_ENDPOINT"] = hub.endpoint  # for anything in this process tree that asks the Hub
-        int4 = prepare_model(demo_config(hub.endpoint, work_dir / "models", repo_id=INT4_REPO))
+        int4 = prepare_model(demo_config(hub.endpoint, models, repo_id=INT4_REPO))
         # No regression gate: on two shared cores vLLM and the client fight for the CPU, and the same
         # commit's peak throughput moved 4x between runs (389 vs 1487 tok/s). The result still says
         # how it compares with the previous demo run (DeployResult.record.compared).
-        result = deploy_model(demo_config(hub.endpoint, work_dir / "models", max_regression=None))
-    return int4, result
+        result = deploy_model(demo_config(hub.endpoint, models, max_regression=None))
+        if not kimi:
+            return [int4, result, None, None]
+        kimi_int4 = prepare_model(demo_config(hub.endpoint, models, repo_id=KIMI_INT4_REPO))
+        kimi_result = deploy_model(kimi_demo_config(hub.endpoint, models))
+    return [int4, result, kimi_int4, kimi_result]

@@ -261,8 +261,9 @@ def quantization_config(ignore: list[str]) -> dict:
     }
 
 
-def build_int4(bf16_dir: Path, out_dir: Path) -> Path:
-    """Quantize the routed experts of a bf16 checkpoint; everything else stays as it was."""
+def build_int4(bf16_dir: Path, out_dir: Path, *, ignore: list[str] = KIMI_STYLE_IGNORE) -> Path:
+    """Quantize the routed experts of a bf16 checkpoint; everything else stays as it was. The block
+    goes where the model's family keeps it: in `text_config` where there is one (Kimi-K2.5)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -282,6 +283,6 @@ def build_int4(bf16_dir: Path, out_dir: Path) -> Path:
         if item.name not in {"model.safetensors", "config.json"}:
             shutil.copy2(item, out_dir / item.name)
     config = json.loads((bf16_dir / "config.json").read_text())
-    config["quantization_config"] = quantization_config(KIMI_STYLE_IGNORE)
+    (config.get("text_config") or config)["quantization_config"] = quantization_config(ignore)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     return out_dir

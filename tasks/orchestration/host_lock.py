@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 from uuid import UUID
 
@@ -41,7 +42,8 @@ def limit_name(host: str | None = None) -> str:
 def _taken(name: str) -> bool:
     """Whether another deploy holds the host's slot. The limit is created on first use; read first,
     since a create that collides is refused by the server with an IntegrityError traceback in its
-    log (the demo's output, on the embedded server)."""
+    log (the demo's output, on the embedded server). Leases that lapsed and that no server service
+    revoked are revoked first (`_revoke_lapsed`)."""
     with get_client(sync_client=True) as client:
         try:
             limit = client.read_global_concurrency_limit_by_name(name)
@@ -51,7 +53,50 @@ def _taken(name: str) -> bool:
             except ObjectAlreadyExists:
                 pass
             return False
+        if limit.active_slots >= limit.limit and _revoke_lapsed(client, limit.id):
+            limit = client.read_global_concurrency_limit_by_name(name)
     return limit.active_slots >= limit.limit
+
+
+LEASE_INDEX_MAX = 16 * 2**20  # Prefect's lease index on disk: one line per lease, ~100 bytes each
+
+
+def _revoke_lapsed(client, limit_id: UUID) -> int:
+    """What Prefect's repossessor service does, for this limit only, where no server runs it.
+
+    Prefect's embedded server (the CLI's default: started for each command) runs none of its
+    services, so the lease of a deploy that died (a killed `make demo`, a power cut) outlived its
+    expiry and held the host for ever: every later deploy was refused as "another deploy is running".
+    Its leases are files in this machine's PREFECT_HOME (the CLI keeps them on disk); each one that
+    lapsed and holds this limit is released through the API, which revokes it as the repossessor
+    would. A server elsewhere keeps its leases elsewhere: nothing here names its limit, and its own
+    repossessor runs. Returns how many were released."""
+    from prefect.settings import get_current_settings
+
+    leases = Path(get_current_settings().home) / "concurrency_leases"
+    try:
+        with open(leases / "expirations.json", "rb") as index_file:
+            index = json.loads(index_file.read(LEASE_INDEX_MAX + 1)[:LEASE_INDEX_MAX])
+    except (OSError, ValueError):
+        return 0
+    now = time.time()
+    released = 0
+    for lease_id, expiration in index.items() if isinstance(index, dict) else ():
+        try:
+            lapsed = datetime.fromisoformat(str(expiration)).timestamp() < now
+            held = json.loads((leases / f"{UUID(lease_id)}.json").read_text()[:65536]) if lapsed else {}
+        except (OSError, ValueError):
+            continue
+        if str(limit_id) in (held.get("resource_ids") or []):
+            try:
+                client.release_concurrency_slots_with_lease(UUID(lease_id))
+                released += 1
+            except PrefectHTTPStatusError:
+                continue
+    if released:
+        logging.getLogger(__name__).warning("revoked %d lapsed lease(s) of the host lock, left by a deploy that died "
+                                            "where no Prefect service revokes them", released)
+    return released
 
 
 def _holder_file(run_dir: Path) -> Path:
