@@ -7,13 +7,20 @@ The damages: the routed experts scaled (all experts' gate and up projections x8,
 projections x8), noise on the attention weights (1 standard deviation), `rope_theta` x1000 in the
 config alone, and the two layers swapped; a re-publish (the same weights) is the control. Scored
 with transformers in bf16 weights (the checkpoint's), greedy, as the answer check's completions are.
+With `--blind-spot`, the demo model alone against the answer check's blind spot (issue 39: a damage
+that changes only the continuation after a probe's expected tokens), the two candidate rules side by
+side: the probes scored on their whole continuation (6 counting numbers, 8 cycle values: as long as
+the model was trained on), and the reference texts' per-token log-probabilities compared with the
+healthy copy's by a paired sign test (one-sided: more tokens less likely than more likely), with the
+mean change in nats per token as its effect; a copy retrained from another seed (different weights,
+the same skills) is the legitimate new revision.
 With `--served`, each copy is also written as a checkpoint and served by vLLM (the CPU build here, as
 the deploy launches it), and asked by the answer check's own code: the figures a deploy would see.
 The two layers cannot trade places in a checkpoint (the first is dense, the second MoE): served,
 their attention is swapped instead. Run from the repository root (about two minutes on two cores;
 eight more with `--served`):
 
-    .venv/bin/python benchmarks/damage.py [--served]
+    .venv/bin/python benchmarks/damage.py [--served | --blind-spot]
 """
 
 from __future__ import annotations
@@ -31,7 +38,8 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding  # noqa: E402
 
-from flows.demo.checkpoint import CYCLE_LEN, PROBES_FILE, PROBES_PER_TASK, build_bf16, cycle, reference_text  # noqa: E402,E501
+from flows.demo.checkpoint import (CYCLE_LEN, PROBES_FILE, PROBES_PER_TASK, build_bf16, counting_probes,  # noqa: E402
+                                   cycle, cycle_probes, reference_text)
 
 
 def score(model, tokenizer, probes: list[dict], reference: list[list[int]]) -> dict[str, float]:
@@ -114,6 +122,58 @@ def served_score(model, tokenizer, probes: list[dict], reference_text: str) -> d
     return figures | {"all": sum(r.correct for r in results) / len(results), "perplexity": ppl or float("nan")}
 
 
+def token_nll(model, reference: list[list[int]]) -> list[float]:
+    """Each reference token's negative log-probability (after each text's first), in order."""
+    values: list[float] = []
+    with torch.no_grad():
+        for ids in reference:
+            logits = model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
+            values += (-torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]).tolist()
+    return values
+
+
+def blind_spot() -> None:
+    """The two candidate rules on the demo model's damages, the continuation-only ones among them."""
+    import random
+
+    from tasks.answers.reference import reference_drift, sign_test
+    from tasks.answers.spec import AnswerSpec
+
+    long_probes = counting_probes(6) + cycle_probes(8)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = build_bf16(Path(tmp) / "model")
+        retrained = build_bf16(Path(tmp) / "retrained", seed=1, tokenizer_seed=0)
+        tokenizer = AutoTokenizer.from_pretrained(out)
+        healthy = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16).eval()
+        other = AutoModelForCausalLM.from_pretrained(retrained, dtype=torch.bfloat16).eval()
+        short = [json.loads(line) for line in (out / PROBES_FILE).read_text().splitlines()]
+    rng = random.Random(99)
+    reference = [tokenizer(text)["input_ids"] for text in [reference_text()] + [cycle(rng, CYCLE_LEN) for _ in range(4)]]
+    base_nll = token_nll(healthy, reference)
+    base_short = score(healthy, tokenizer, short, reference)
+    spec = AnswerSpec()
+    print(f"{'copy':34s} {'3 expected':>10s} {'whole':>6s} {'ppl x':>6s} {'nats/token':>10s} {'sign test p':>11s} "
+          f"{'paired rule':>8s}")
+    copies = [("healthy", lambda m: None), ("re-published (same weights)", lambda m: None),
+              ("retrained, another seed (legit)", None),
+              ("attention noise 0.4 std", attention_noise(0.4)), ("attention noise 0.5 std", attention_noise(0.5)),
+              ("routed experts down x5", experts(5.0, "down_proj")),
+              ("routed experts gate+up x2.5", experts(2.5, "gate_proj", "up_proj")),
+              ("rope_theta x30 (config)", rope_theta(30)), ("attention noise 1 std", attention_noise(1.0))]
+    for name, damage in copies:
+        model = other if damage is None else copy.deepcopy(healthy)
+        if damage is not None:
+            damage(model)
+        f_short = score(model, tokenizer, short, reference)
+        f_long = score(model, tokenizer, long_probes, reference)
+        new_nll = token_nll(model, reference)
+        change, p, _, _ = sign_test(new_nll, base_nll)
+        caught = reference_drift(new_nll, base_nll, max_p=spec.max_reference_p, min_change=spec.min_reference_change)
+        print(f"{name:34s} {pct(f_short['all']):>10s} {pct(f_long['all']):>6s} "
+              f"{f_short['perplexity'] / base_short['perplexity']:6.2f} {change:+10.3f} {p:11.2g} "
+              f"{'caught' if caught else 'passes':>8s}", flush=True)
+
+
 def pct(value: float | None) -> str:
     return "-" if value is None else f"{value:.0%}"
 
@@ -121,6 +181,8 @@ def pct(value: float | None) -> str:
 def main() -> None:
     import random
 
+    if "--blind-spot" in sys.argv[1:]:
+        return blind_spot()
     served = "--served" in sys.argv[1:]
     damages = [("healthy", None), ("re-published (same weights)", lambda m: None),
                ("routed experts gate+up x8", experts(8.0, "gate_proj", "up_proj")),

@@ -161,3 +161,27 @@ def test_under_load_is_not_tried_where_max_num_seqs_cannot_fill_the_cache():
         assert time.monotonic() - started < 5  # no long request queued behind two running ones until a timeout
     assert loaded.skipped == ("at most 2 sequences run at once (max_num_seqs): 2 x 1024 tokens fill 10% of the KV "
                               "cache, short of 90%") and loaded.fills == 0 and loaded.problems == []
+
+
+def test_the_reference_text_token_by_token_sees_a_worse_model_and_passes_a_changed_one():
+    """Issue 39's blind spot: a damage that leaves the probes' first answers right and the reference
+    perplexity under its 1.5x limit still makes most of the reference's tokens less likely than for
+    the last good deployment; a retrained model makes as many more likely as less; a re-publish none."""
+    from tasks.answers.check import AnswerBaseline, judge
+    from tasks.answers.spec import AnswerSpec
+
+    old = [0.5 + 0.01 * (i % 7) for i in range(60)]
+    last_good = AnswerBaseline(accuracy=1.0, perplexity=1.7, repeated_ngrams=0.0, outputs={}, reference_nll=old)
+    results = [ProbeResult(prompt="41 42 43", expected=" 44 45 46", output=" 44 45 46", correct=True)]
+
+    def verdict(new):
+        return judge(results, perplexity=1.7, reference_nll=new, thresholds=AnswerSpec(), last_good=last_good).problems
+
+    damaged = [v + (0.15 if i % 10 else -0.05) for i, v in enumerate(old)]  # x1.14 perplexity, 54 of 60 worse
+    [line] = verdict(damaged)
+    assert line.startswith("the reference text's tokens are less likely than for the last good deployment: 54 of 60 "
+                           "tokens less likely, 6 more (sign test p=")
+    assert verdict(list(old)) == []  # a re-publish: every pair tied
+    assert verdict([v + (0.3 if i % 2 else -0.25) for i, v in enumerate(old)]) == []  # retrained: both ways
+    assert verdict([v + 0.01 for v in old]) == []  # a shift below the effect floor (x1.01), however sure
+    assert verdict(damaged[:-1]) == []  # another tokenization (a new vocabulary): nothing to pair

@@ -109,17 +109,18 @@ def cycle(rng, length: int) -> str:
 PROBES_PER_TASK = 16
 
 
-def counting_probes() -> list[dict[str, str]]:
-    """Three numbers, and the three that follow, from 0 to 90."""
-    return [{"prompt": counting(a, 3), "expected": " " + counting(a + 3, 3)} for a in range(0, 94, 6)]
+def counting_probes(expected: int = 3) -> list[dict[str, str]]:
+    """Three numbers, and the three that follow (`expected` of them), from 0 to 90."""
+    return [{"prompt": counting(a, 3), "expected": " " + counting(a + 3, expected)} for a in range(0, 94, 6)]
 
 
-def cycle_probes() -> list[dict[str, str]]:
-    """One period of a cycle and a token, and the three that follow."""
+def cycle_probes(expected: int = 3) -> list[dict[str, str]]:
+    """One period of a cycle and a token, and the three that follow (`expected` of them: the same
+    cycles whatever the length, since the length takes nothing from the random stream)."""
     import random
 
     rng = random.Random(1234)
-    cycles = [cycle(rng, CYCLE + 4).split() for _ in range(PROBES_PER_TASK)]
+    cycles = [cycle(rng, CYCLE + 1 + expected).split() for _ in range(PROBES_PER_TASK)]
     return [{"prompt": " ".join(c[:CYCLE + 1]), "expected": " " + " ".join(c[CYCLE + 1:])} for c in cycles]
 
 
@@ -146,14 +147,15 @@ def train_tokenizer(out_dir: Path, vocab_size: int, seed: int) -> None:
     fast.save_pretrained(out_dir)
 
 
-def build_bf16(out_dir: Path, seed: int = 0, *, cycles: bool = True) -> Path:
+def build_bf16(out_dir: Path, seed: int = 0, *, cycles: bool = True, tokenizer_seed: int | None = None) -> Path:
     """A bf16 checkpoint trained to count on and to continue period-7 cycles (with `cycles` off: to
-    count only), its tokenizer and its probes; returns the directory."""
+    count only), its tokenizer and its probes; returns the directory. `tokenizer_seed` (default: the
+    seed) keeps one tokenizer for models trained from other seeds: a new revision's weights."""
     import torch
     from transformers import AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    train_tokenizer(out_dir, TINY_CONFIG["vocab_size"], seed)
+    train_tokenizer(out_dir, TINY_CONFIG["vocab_size"], seed if tokenizer_seed is None else tokenizer_seed)
     tokenizer = AutoTokenizer.from_pretrained(out_dir)
     torch.manual_seed(seed)
     model = DeepseekV3ForCausalLM(DeepseekV3Config(**TINY_CONFIG, bos_token_id=0, eos_token_id=1))

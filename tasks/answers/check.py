@@ -25,6 +25,7 @@ from pathlib import Path
 from openai import APIError, OpenAI
 from pydantic import BaseModel
 
+from tasks.answers.reference import reference_drift
 from tasks.answers.spec import AnswerSpec
 from tasks.errors import AnswerCheckFailed, UnusableInput
 
@@ -120,6 +121,8 @@ class AnswerBaseline(BaseModel):
     perplexity: float | None  # of the reference text; None where the server returns no prompt logprobs
     repeated_ngrams: float  # share of the outputs' word 3-grams that repeat an earlier one
     outputs: dict[str, str]  # ProbeResult.key -> greedy output
+    # The reference text's tokens' negative log-probabilities (after the first): the next check's pairs.
+    reference_nll: list[float] | None = None
 
 
 class LoadedAnswers(BaseModel):
@@ -146,7 +149,8 @@ class AnswerReport(AnswerBaseline):
     @property
     def baseline(self) -> AnswerBaseline:
         return AnswerBaseline(accuracy=self.accuracy, perplexity=self.perplexity,
-                              repeated_ngrams=self.repeated_ngrams, outputs=self.outputs)
+                              repeated_ngrams=self.repeated_ngrams, outputs=self.outputs,
+                              reference_nll=self.reference_nll)
 
 
 def _correct(output: str | None, expected: str) -> bool:
@@ -203,7 +207,7 @@ def flip_p_value(worse: int, better: int) -> float:
 
 def judge(results: list[ProbeResult], *, perplexity: float | None, thresholds: AnswerSpec,
           last_good: AnswerBaseline | None = None, same_commit: bool = False,
-          same_weights: bool = False) -> AnswerReport:
+          same_weights: bool = False, reference_nll: list[float] | None = None) -> AnswerReport:
     """The verdict: absolute checks always, drift where a last good deployment of the model exists.
 
     A probe the last good deployment answered right and this one answers wrong fails the check
@@ -220,7 +224,7 @@ def judge(results: list[ProbeResult], *, perplexity: float | None, thresholds: A
               "answers.max_tokens is too small"] if cut else []
     if not results:
         return AnswerReport(results=cut, accuracy=0.0, perplexity=perplexity, repeated_ngrams=0.0, outputs={},
-                            last_good=last_good, problems=budget)
+                            last_good=last_good, problems=budget, reference_nll=reference_nll)
     outputs = [r.output for r in results]
     accuracy = sum(r.correct for r in results) / len(results)
     repeated = _repeated_ngrams(outputs)
@@ -242,6 +246,9 @@ def judge(results: list[ProbeResult], *, perplexity: float | None, thresholds: A
         if perplexity and last_good.perplexity and perplexity > last_good.perplexity * thresholds.max_perplexity_ratio:
             problems.append(f"perplexity {perplexity:.3g} against {last_good.perplexity:.3g} "
                             f"(x{perplexity / last_good.perplexity:.1f}, limit x{thresholds.max_perplexity_ratio:g})")
+        if drift := reference_drift(reference_nll, last_good.reference_nll, max_p=thresholds.max_reference_p,
+                                    min_change=thresholds.min_reference_change):
+            problems.append(drift)
         if repeated > max(2 * last_good.repeated_ngrams, 0.2):
             problems.append(f"{repeated:.0%} repeated 3-grams against {last_good.repeated_ngrams:.0%}")
         compared = [r for r in results if r.last_good is not None]
@@ -249,7 +256,8 @@ def judge(results: list[ProbeResult], *, perplexity: float | None, thresholds: A
         if same_commit and compared and changed / len(compared) > thresholds.max_changed_outputs:
             problems.append(f"same commit, {changed} of {len(compared)} greedy outputs changed")
     return AnswerReport(results=results + cut, accuracy=accuracy, perplexity=perplexity, repeated_ngrams=repeated,
-                        outputs={r.key: r.output for r in results}, last_good=last_good, problems=problems)
+                        outputs={r.key: r.output for r in results}, last_good=last_good, problems=problems,
+                        reference_nll=reference_nll)
 
 
 def _client(base_url: str, api_key: str | None, timeout_s: float) -> OpenAI:
@@ -355,15 +363,25 @@ def ask_parsers(base_url: str, model: str, *, tools: bool, reasoning: bool, api_
     return results, problems
 
 
-def perplexity(base_url: str, model: str, text: str, *, api_key: str | None = None,
-               timeout_s: float = 120.0) -> float | None:
-    """exp of the mean negative log-probability of the text's tokens after the first, from the
-    server's prompt logprobs (vLLM: echo with logprobs); None where the server returns none."""
+def token_nll(base_url: str, model: str, text: str, *, api_key: str | None = None,
+              timeout_s: float = 120.0) -> list[float] | None:
+    """The negative log-probability of each of the text's tokens after the first, from the server's
+    prompt logprobs (vLLM: echo with logprobs); None where the server returns none."""
     try:
         done = _client(base_url, api_key, timeout_s).completions.create(
             model=model, prompt=text, max_tokens=1, temperature=0.0, echo=True, logprobs=0)
         logprobs = done.choices[0].logprobs.token_logprobs[1:done.usage.prompt_tokens]
     except (APIError, AttributeError, IndexError, TypeError):
         return None
-    values = [v for v in logprobs if v is not None]
-    return math.exp(-sum(values) / len(values)) if values else None
+    values = [-float(v) for v in logprobs if v is not None]
+    return values or None
+
+
+def perplexity(base_url: str, model: str, text: str, *, api_key: str | None = None,
+               timeout_s: float = 120.0) -> float | None:
+    """exp of the mean negative log-probability of the text's tokens after the first."""
+    return perplexity_of(token_nll(base_url, model, text, api_key=api_key, timeout_s=timeout_s))
+
+
+def perplexity_of(nll: list[float] | None) -> float | None:
+    return math.exp(sum(nll) / len(nll)) if nll else None

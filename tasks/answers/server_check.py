@@ -15,7 +15,8 @@ from tasks.answers.check import (
     ask_parsers,
     judge,
     load_probes,
-    perplexity,
+    perplexity_of,
+    token_nll,
 )
 from tasks.answers.load import check_under_load
 from tasks.answers.spec import AnswerSpec
@@ -38,9 +39,9 @@ def check_answers(base_url: str, model: str, spec: AnswerSpec, *, last_good: Ans
     if spec.chat:
         results += ask(base_url, model, probes, api_key=api_key, max_tokens=spec.max_tokens, chat=True,
                        chat_template_kwargs=modes.instant)
-    report = judge(results, perplexity=perplexity(base_url, model, spec.reference_text or BUILTIN_REFERENCE,
-                                                  api_key=api_key),
-                   thresholds=spec, last_good=last_good, same_commit=same_commit, same_weights=same_weights)
+    nll = token_nll(base_url, model, spec.reference_text or BUILTIN_REFERENCE, api_key=api_key)
+    report = judge(results, perplexity=perplexity_of(nll), reference_nll=nll, thresholds=spec, last_good=last_good,
+                   same_commit=same_commit, same_weights=same_weights)
     if tools or reasoning:  # judged on their own: a parser is right or wrong, not a share of the probes
         parsed, problems = ask_parsers(base_url, model, tools=tools, reasoning=reasoning, api_key=api_key,
                                        max_tokens=spec.reasoning_max_tokens, modes=modes)

@@ -29,6 +29,11 @@ class AnswerSpec(BaseModel):
                                      "more than this fails")
     max_perplexity_ratio: float = Field(1.5, gt=1, description="Perplexity of the reference text above the last "
                                         "good deployment's by more than this factor fails")
+    max_reference_p: float = Field(0.01, gt=0, lt=1, description="Fail when the reference text's tokens, paired "
+                                   "with the last good deployment's, got less likely beyond this chance (one-sided "
+                                   "sign test) and by more than min_reference_change")
+    min_reference_change: float = Field(0.05, ge=0, description="The paired test's effect floor: mean change in "
+                                        "nats per reference token (0.05: x1.05 perplexity) below which it passes")
     under_load: bool = Field(True, description="Ask the probes again while long requests fill the KV cache past "
                              "load_target: a server that degenerates when full fails")
     load_target: float = Field(0.9, gt=0, lt=1, description="KV cache usage the probes under load wait for")
