@@ -69,9 +69,8 @@ def _train(model, tokenizer, seed: int) -> None:
         schedule.step()
 
 
-def build_kimi_bf16(out_dir: Path, seed: int = 0, *, train: bool = True) -> Path:
-    """The tiny Kimi-K2.5 in bf16, trained (with `train` off: random, to try a load), its tokenizer,
-    template and probes; returns the directory."""
+def build_kimi_bf16(out_dir: Path, seed: int = 0) -> Path:
+    """The tiny Kimi-K2.5 in bf16, trained, its tokenizer, template and probes; returns the directory."""
     import tempfile
 
     import torch
@@ -84,8 +83,7 @@ def build_kimi_bf16(out_dir: Path, seed: int = 0, *, train: bool = True) -> Path
     text = {**TINY_CONFIG, "vocab_size": RANKS + SPECIALS}
     model = DeepseekV3ForCausalLM(DeepseekV3Config(**text, bos_token_id=special_id("[BOS]"),
                                                    eos_token_id=special_id("[EOS]"), tie_word_embeddings=False))
-    if train:
-        _train(model, tokenizer, seed)
+    _train(model, tokenizer, seed)
     with tempfile.TemporaryDirectory() as staging:
         # save_pretrained writes the experts one by one, as checkpoints name them (transformers fuses them in memory).
         model.to(torch.bfloat16).save_pretrained(staging)

@@ -25,7 +25,7 @@ from pathlib import Path
 from openai import APIError, OpenAI
 from pydantic import BaseModel
 
-from tasks.answers.reference import reference_drift
+from tasks.answers.reference import one_sided_p, reference_drift
 from tasks.answers.spec import AnswerSpec
 from tasks.errors import AnswerCheckFailed, UnusableInput
 
@@ -201,8 +201,7 @@ def flips(results: list[ProbeResult]) -> tuple[int, int]:
 def flip_p_value(worse: int, better: int) -> float:
     """One-sided exact McNemar test: the chance of `worse` or more right-to-wrong flips among
     `worse + better` discordant probes if either direction were as likely (binomial, p = 1/2)."""
-    n = worse + better
-    return sum(math.comb(n, k) for k in range(worse, n + 1)) / 2 ** n if n else 1.0
+    return one_sided_p(worse, better)
 
 
 def judge(results: list[ProbeResult], *, perplexity: float | None, thresholds: AnswerSpec,

@@ -23,9 +23,15 @@ def sign_test(new: list[float], old: list[float]) -> tuple[float, float, int, in
     of tokens less and more likely. Ties (a re-publish's every token) count for neither."""
     worse = sum(n > o + 1e-4 for n, o in zip(new, old))
     better = sum(n < o - 1e-4 for n, o in zip(new, old))
-    trials = worse + better
-    p = sum(math.comb(trials, k) for k in range(worse, trials + 1)) / 2 ** trials if trials else 1.0
-    return sum(n - o for n, o in zip(new, old)) / len(new), p, worse, better
+    return sum(n - o for n, o in zip(new, old)) / len(new), one_sided_p(worse, better), worse, better
+
+
+def one_sided_p(worse: int, better: int) -> float:
+    """The chance of `worse` or more of `worse + better` untied pairs going one way if either way
+    were as likely (exact binomial, p = 1/2): the sign test here, the exact McNemar test on flipped
+    probes in check.py."""
+    n = worse + better
+    return sum(math.comb(n, k) for k in range(worse, n + 1)) / 2 ** n if n else 1.0
 
 
 def reference_drift(new: list[float] | None, old: list[float] | None, *, max_p: float,
