@@ -29,16 +29,19 @@ def _until(condition, timeout_s: float = 10.0):
     return value
 
 
-def _host(port: int) -> StreamingServer:
+def _host(port: int, *, itl_s: float = 0.02) -> StreamingServer:
     """A host's server: 20 tokens take ~0.45 s, so some are always in flight under the load."""
-    return StreamingServer(ttft_s=0.05, itl_s=0.02, port=port)
+    return StreamingServer(ttft_s=0.05, itl_s=itl_s, port=port)
 
 
 def test_drain_swap_admit_under_load_then_a_host_dies_and_one_serves_nothing(tmp_path):
     ports = {"host-a": free_port(), "host-b": free_port()}
     front = free_port()
     with contextlib.ExitStack() as hosts:
-        servers = {name: hosts.enter_context(_host(port)) for name, port in ports.items()}
+        # host-b's streams last ~2 s: when it is killed, the streams the router saw there are still
+        # being sent (with 0.45 s streams, on a loaded machine, they had finished by the kill: CI, stop 43).
+        servers = {name: hosts.enter_context(_host(port, itl_s=0.1 if name == "host-b" else 0.02))
+                   for name, port in ports.items()}
         router = hosts.enter_context(haproxy([(n, "127.0.0.1", p) for n, p in ports.items()], work_dir=tmp_path,
                                              port=front))
         at = HAProxy(router)
