@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 import uuid
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -32,8 +33,21 @@ from testkit.webhook import WebhookReceiver  # noqa: E402
 # to each at first, and the parallel part ends when its last file does. Started late, the fleet test
 # kept it 4 minutes longer (a fresh clone's .ci/run: 27.4 minutes in this order, 28.7 in xdist's).
 LONGEST_FIRST = ("test_fleet.py", "test_operator.py", "test_answers_rollout.py", "test_tune.py",
-                 "test_swap_signal.py", "test_cancel.py", "test_ui.py", "test_lock_restart.py", "test_prefect_lost.py",
-                 "test_hostile.py", "test_nightly_schedule.py")
+                 "test_swap_signal.py", "test_kimi.py", "test_cancel.py", "test_ui.py", "test_lock_restart.py",
+                 "test_server_real.py", "test_prefect_lost.py", "test_e2e.py", "test_group.py", "test_hostile.py",
+                 "test_nightly_schedule.py", "test_prepare.py", "test_server.py")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With ROLLOUT_TEST_TIMELINE set, one JSON line per test (worker, test, start, end) appended to
+    that file: which worker ran what when, to see where a parallel part's minutes go."""
+    started = time.time()
+    yield
+    if timeline := os.environ.get("ROLLOUT_TEST_TIMELINE"):
+        with open(timeline, "a") as out:
+            out.write(json.dumps({"worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "test": item.nodeid,
+                                  "start": started, "end": time.time()}) + "\n")
 
 
 def pytest_collection_modifyitems(items):
@@ -58,16 +72,29 @@ def prefect_server():
 
 @pytest.fixture(scope="session")
 def hub_root(tmp_path_factory) -> Path:
-    """The demo's repos, copied for this session from a build that `make test`'s three sessions (the
-    quiet part and the two workers) share: training takes ~45 s, ~80 s with two at once."""
+    """The tiny MoE's two repos, copied for this session from a build that `make test`'s three
+    sessions (the quiet part and the two workers) share: training takes ~45 s, ~80 s with two at once."""
     root = tmp_path_factory.mktemp("hub")
-    shutil.copytree(_demo_repos_built_once(), root, dirs_exist_ok=True)
+    shutil.copytree(_demo_repos_built_once(kimi=False), root, dirs_exist_ok=True)
     return root
 
 
-def _demo_repos_built_once() -> Path:
+@pytest.fixture(scope="session")
+def kimi_repos(hub_root, local_hub) -> tuple[str, str]:
+    """The tiny Kimi-K2.5's two repos added to the session's Hub: built by the first session that
+    asks (~80 s of training), in the parallel part, not before the quiet part's tests as all four were."""
+    from flows.demo import KIMI_INT4_REPO, KIMI_REPO
+
+    built = _demo_repos_built_once(kimi=True)
+    for repo in (KIMI_REPO, KIMI_INT4_REPO):
+        shutil.copytree(built / repo, hub_root / repo, dirs_exist_ok=True)
+    local_hub.refresh()
+    return KIMI_REPO, KIMI_INT4_REPO
+
+
+def _demo_repos_built_once(*, kimi: bool) -> Path:
     """Built by the first session that asks, under a lock the others wait on; keyed by the code that
-    builds them, so a change to the recipe builds afresh."""
+    builds them, so a change to the recipe builds afresh. The Kimi build starts from the other's."""
     import fcntl
     import hashlib
     import tempfile
@@ -77,14 +104,19 @@ def _demo_repos_built_once() -> Path:
     import flows.demo.kimi
     import flows.demo.kimi_model
 
-    sources = [Path(m.__file__) for m in (flows.demo, flows.demo.checkpoint, flows.demo.kimi, flows.demo.kimi_model)]
-    recipe = b"".join(p.read_bytes() for p in [*sources, *sorted(flows.demo.kimi.FILES.iterdir())] if p.is_file())
-    built = Path(tempfile.gettempdir()) / f"rollout-demo-repos-{hashlib.sha256(recipe).hexdigest()[:12]}"
+    modules = (flows.demo, flows.demo.checkpoint) + ((flows.demo.kimi, flows.demo.kimi_model) if kimi else ())
+    files = sorted(flows.demo.kimi.FILES.iterdir()) if kimi else []
+    recipe = b"".join(p.read_bytes() for p in [*(Path(m.__file__) for m in modules), *files] if p.is_file())
+    kind = "kimi" if kimi else "moe"
+    built = Path(tempfile.gettempdir()) / f"rollout-demo-repos-{kind}-{hashlib.sha256(recipe).hexdigest()[:12]}"
+    base = _demo_repos_built_once(kimi=False) if kimi else None
     with open(f"{built}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not built.exists():
             building = Path(tempfile.mkdtemp(prefix=f"{built.name}-building-", dir=built.parent))
-            build_demo_repos(building)
+            if base is not None:
+                shutil.copytree(base, building, dirs_exist_ok=True)
+            build_demo_repos(building, kimi=kimi)
             building.rename(built)
     return built
 

@@ -13,7 +13,7 @@ from conftest import artifact, vllm_processes
 from fake_nvml import FakeNvml
 
 import tasks.deployment.stages
-from flows.demo import BF16_REPO, INT4_REPO, KIMI_INT4_REPO, KIMI_REPO, demo_config, run_demo
+from flows.demo import BF16_REPO, INT4_REPO, demo_config, run_demo
 from flows.deploy import deploy_model
 from flows.prepare import prepare_model
 from tasks.bench.sweep import knee
@@ -40,7 +40,7 @@ def _task_runs(flow_run_id):
 def test_demo_deploys_benchmarks_and_publishes(hub_root, tmp_path):
     # The demo's repos as a first run left them (the session's build: the same build_demo_repos), so
     # that the tiny model is not trained twice; the demo reuses what it finds, as its second run does.
-    for repo in (BF16_REPO, INT4_REPO, KIMI_REPO, KIMI_INT4_REPO):
+    for repo in (BF16_REPO, INT4_REPO):
         shutil.copytree(hub_root / repo, tmp_path / "hub" / repo)
     # A previous demo run on this host, planted 1000x faster: the demo compares itself with it and
     # still passes, since on two shared cores noise beats any threshold (the demo has no gate).

@@ -38,7 +38,7 @@ def _chat(port: int, model: str, **body) -> dict:
 
 
 def test_the_tiny_kimi_k25_through_the_cli_validate_consent_prepare_deploy_status_redeploy_and_rollback(
-        hub_root, local_hub, tmp_path):
+        hub_root, local_hub, kimi_repos, tmp_path):
     repo_id = f"kimi-{uuid.uuid4().hex[:6]}/tiny-kimi-k2.5"
     shutil.copytree(hub_root / KIMI_REPO, hub_root / repo_id)
     local_hub.refresh()

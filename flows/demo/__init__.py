@@ -19,9 +19,10 @@ KIMI_REPO = "demo/tiny-kimi-k2.5"
 KIMI_INT4_REPO = "demo/tiny-kimi-k2.5-int4"
 
 
-def build_demo_repos(hub_root: Path, say=lambda line: None) -> None:
-    """Create the four repos once; a re-run reuses them (same files, same commit sha). `say` hears
-    what takes a while: the first run trains the two tiny models for about a minute each on two cores."""
+def build_demo_repos(hub_root: Path, say=lambda line: None, *, kimi: bool = True) -> None:
+    """Create the four repos once (the first two with `kimi` off); a re-run reuses them (same files,
+    same commit sha). `say` hears what takes a while: the first run trains the two tiny models for
+    about a minute each on two cores."""
     from flows.demo.kimi_model import build_kimi_bf16, build_kimi_int4
 
     steps = [
@@ -34,7 +35,7 @@ def build_demo_repos(hub_root: Path, say=lambda line: None) -> None:
         (KIMI_INT4_REPO, lambda out: build_kimi_int4(hub_root / KIMI_REPO, out),
          "its experts in INT4, the block in text_config as Kimi-K2.5 keeps it"),
     ]
-    for repo, build, what in steps:
+    for repo, build, what in steps[:None if kimi else 2]:
         if not (hub_root / repo / "config.json").exists():
             say(f"building {repo}: {what}")
             build(hub_root / repo)
@@ -99,7 +100,7 @@ def run_demo(work_dir: Path, say=lambda line: None, *, kimi: bool = True) -> lis
     from flows.prepare import prepare_model
 
     hub_root = work_dir / "hub"
-    build_demo_repos(hub_root, say)
+    build_demo_repos(hub_root, say, kimi=kimi)
     say(f"serving {hub_root} as a local Hub; deploying {BF16_REPO}" + (f", then {KIMI_REPO}," if kimi else "")
         + " on vLLM (CPU)")
     models = work_dir / "models"
