@@ -172,6 +172,16 @@ class HAProxy:
     def set_state(self, name: str, state: str) -> None:
         self.ask(f"set server {self.config.backend}/{name} state {state}")
 
+    def set_address(self, name: str, address: str, port: int) -> None:
+        """Point a server at another address (its health check follows): a host's front door sends
+        its slot to the port the new vLLM listens on. HAProxy 2.6 reports a change it made at the
+        same severity as a refusal ("... port changed from '1' to '8001' ..."): that one is success."""
+        try:
+            self.ask(f"set server {self.config.backend}/{name} addr {address} port {port}")
+        except RouterRefused as answer:
+            if f"to '{port}'" not in str(answer) and "no need to change" not in str(answer):
+                raise
+
     def drain(self, name: str, *, timeout_s: float | None = None, poll_s: float = 0.2) -> float:
         """Take the host out of rotation and wait for its requests in flight to finish: the seconds
         that took. Past the deadline it returns anyway; the swap's own stop then cuts what is left."""
@@ -269,17 +279,44 @@ class Traffic:
                    out_of_rotation=tuple(sorted(n for n, s in last.items()
                                                 if n not in ("BACKEND", "FRONTEND") and not s.in_rotation)))
 
-def haproxy_config(servers: list[tuple[str, str, int]], *, router: RouterConfig, bind: str) -> str:
+HOLD_LUA = """-- Hold a request while the backend has no usable server, at most max_ms (then the frontend's next
+-- rule answers 503). core.msleep yields to HAProxy: the wait costs no Lua time (tune.lua.session-timeout).
+core.register_action("hold_while_down", { "http-req" }, function(txn, backend, max_ms)
+    local limit, step, waited = tonumber(max_ms) or 0, 100, 0
+    while txn.f:nbsrv(backend) == 0 and waited < limit do
+        core.msleep(step)
+        waited = waited + step
+    end
+end, 2)
+"""
+
+
+def haproxy_config(servers: list[tuple[str, str, int]], *, router: RouterConfig, bind: str,
+                   hold_s: float | None = None, hold_lua: Path | None = None, disabled: bool = False) -> str:
     """An haproxy.cfg for the fleet, to start from or to compare with the one the router runs: one
     server per host (name, address, port), each health-checked on vLLM's /health every 0.5 s (two
     misses take it out, two answers put it back); a request whose connection fails is sent to another
-    host (retries, redispatch); least connections, as long generations make round robin uneven."""
+    host (retries, redispatch); least connections, as long generations make round robin uneven.
+
+    With `hold_s` (and `hold_lua`, where HOLD_LUA is written), a request that arrives while no server is
+    usable waits up to that long for one instead of HAProxy's immediate 503 (a swap is a pause), then
+    gets a JSON 503 with Retry-After; each answer names the server that gave it (x-rollout-server).
+    `disabled`: the servers start in maintenance, out of rotation until admitted (a host's front door).
+    """
     admin = router.admin
     socket_line = (f"stats socket ipv4@{admin} level admin" if ":" in admin and not admin.startswith("/")
                    else f"stats socket {admin} mode 600 level admin")
-    hosts = "\n".join(f"    server {name} {address}:{port} check" for name, address, port in servers)
+    state = " disabled" if disabled else ""
+    hosts = "\n".join(f"    server {name} {address}:{port} check{state}" for name, address, port in servers)
+    lua = f"\n    lua-load {hold_lua}" if hold_s is not None else ""
+    hold = "" if hold_s is None else (
+        f"    http-request lua.hold_while_down {router.backend} {int(hold_s * 1000)}\n"
+        f"    http-request return status 503 content-type application/json hdr Retry-After {max(1, int(hold_s))} "
+        "string '{\"error\":{\"message\":\"no model is being served yet (a swap), retry later\",\"type\":"
+        f"\"server_unavailable\",\"code\":503}}}}' if {{ nbsrv({router.backend}) eq 0 }}\n"
+        "    http-response set-header x-rollout-server %[srv_name]\n")
     return f"""global
-    {socket_line}
+    {socket_line}{lua}
 
 defaults
     mode http
@@ -291,7 +328,7 @@ defaults
 
 frontend {router.frontend or "clients"}
     bind {bind}
-    default_backend {router.backend}
+{hold}    default_backend {router.backend}
 
 backend {router.backend}
     balance leastconn
