@@ -238,13 +238,15 @@ def test_startup_deadline_too_short_fails_with_the_timeout_cause(local_hub, tmp_
 def test_sweep_stops_by_itself_at_saturation_and_names_the_knee(local_hub, tmp_path):
     # The server batches at most 2 sequences, so throughput cannot grow past concurrency 2: the
     # saturation a real box reaches at its batch limit, made certain on a tiny model.
-    levels = [1, 2, 4, 8, 16, 32, 64, 128]
+    # A gain of 25%, not 5%: past 2 sequences two loaded cores still gave 5-15% more now and then, and
+    # the sweep went on to 32 or 64 (190 s of CI's serial part instead of 70).
+    levels, gain = [1, 2, 4, 8, 16, 32, 64, 128], 0.25
     config = demo_config(local_hub.endpoint, tmp_path / "models", concurrency_levels=levels,
-                         min_throughput_gain=0.05, requests_per_level=16, level_duration_s=None, max_num_seqs=2)
+                         min_throughput_gain=gain, requests_per_level=16, level_duration_s=None, max_num_seqs=2)
     rows = deploy_model(config).results
     ran = [r.concurrency for r in rows]
     assert ran == levels[: len(ran)] and len(ran) < len(levels)
-    assert rows[-1].output_throughput < rows[-2].output_throughput * 1.05
+    assert rows[-1].output_throughput < rows[-2].output_throughput * (1 + gain)
     for row in rows:
         assert row.total_output_tokens == max(16, row.concurrency) * 32
     best = knee(rows)  # the steady level of best throughput: a level too short for a steady state is no knee
