@@ -47,12 +47,12 @@ def test_cancel_mid_sweep_stops_the_new_server_and_the_last_good_serves_again(lo
     try:
         # A good deployment serving on a fixed port: what the cancelled redeploy must leave behind.
         deploy_model(demo_config(local_hub.endpoint, tmp_path / "models", port=port, concurrency_levels=[1],
-                                 level_duration_s=1.0, keep_serving=True))
+                                 level_duration_s=1.0, keep_serving=True, under_load=False))
         good = serving_group(state)
         assert good is not None and demo_answer(port) == " 44 45 46"
         # A sweep long enough to be cancelled in the middle of it.
         config = demo_config(local_hub.endpoint, tmp_path / "models", requests_per_level=4000, port=port,
-                             level_duration_s=None, output_len=64, keep_serving=True)
+                             level_duration_s=None, output_len=64, keep_serving=True, under_load=False)
         with get_client(sync_client=True) as client:
             _wait(lambda: _has_deployment(client), 120, "the served deployment")
         run = run_deployment("deploy-model/cancel-test", parameters={"config": config.model_dump(mode="json")},

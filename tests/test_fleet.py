@@ -66,7 +66,9 @@ from testkit.router import SteadyLoad, haproxy
 ROOT = Path(__file__).resolve().parents[1]
 HOSTS = ("host-a", "host-b", "host-c")
 # The sweep is not what this test is about: two short levels, and no gate (three servers share two cores).
-QUICK = dict(concurrency_levels=[1, 2], level_duration_s=1.5, keep_serving=True, max_regression=None)
+# Nor the answer check's load (~10 s of each deploy's KV cache filled; test_answers_rollout has it).
+QUICK = dict(concurrency_levels=[1, 2], level_duration_s=1.5, keep_serving=True, max_regression=None,
+             under_load=False)
 
 
 def _serves(port: int, model: str) -> bool:

@@ -62,11 +62,13 @@ def test_deploy_status_logs_rollback_stop_and_rollback_again_from_the_shell(hub_
     server_cpus, client_cpus = server_and_client_cpus()
     cpus = ["--cpus", server_cpus, "--client-cpus", client_cpus] if server_cpus else []
     # The README's CPU example, with this test's hub, root and port; a short sweep, a gate only a
-    # collapse trips (two runs on two shared cores differ by 25% or more).
+    # collapse trips (two runs on two shared cores differ by 25% or more); the answer check idle only
+    # (its load, ~10 s of each of the dozen deploys here, is test_answers_rollout's).
     deploy = ["deploy", repo_id, "--endpoint", local_hub.endpoint, "--models-root", root, "--port", port, "--tp", "1",
               "--enforce-eager", "--max-model-len", "1024", "--input-len", "64", "--output-len", "32",
               "--concurrency", "1,2", "--level-duration-s", "1.5", "--disk-margin-gb", "0.1",
-              "--max-regression", "0.99", "--kv-cache-memory-bytes", "83886080", *cpus]
+              "--max-regression", "0.99", "--kv-cache-memory-bytes", "83886080", "--no-answers-under-load",
+              *cpus]
     # The shipped automations, through a webhook block pointed at the local receiver.
     CustomWebhookNotificationBlock(name="rollout test", url=webhook.url, allow_private_urls=True,
                                    json_data={"subject": "{{subject}}", "body": "{{body}}"}).save("rollout-test",
@@ -105,7 +107,7 @@ def test_deploy_status_logs_rollback_stop_and_rollback_again_from_the_shell(hub_
                                                               "single_stream_ci")})
         write_last_good(run_dir, good.model_copy(update={"commit": "0" * 40, "record": planted}))
         nightly = demo_config(local_hub.endpoint, root, repo_id=repo_id, port=port, concurrency_levels=[1, 2],
-                              level_duration_s=1.5, keep_serving=True)
+                              level_duration_s=1.5, keep_serving=True, under_load=False)
         with pytest.raises(RegressionError, match=r"regressed against 000000000000 .* outside the noise"):
             nightly_refresh(nightly)
         back = read_last_good(run_dir)

@@ -70,7 +70,7 @@ def test_a_sigterm_before_the_old_servers_stop_leaves_it_serving_and_one_inside_
         local_hub, tmp_path):
     port = free_port()
     config = demo_config(local_hub.endpoint, tmp_path / "models", port=port, concurrency_levels=[1],
-                         level_duration_s=1.0, keep_serving=True)
+                         level_duration_s=1.0, keep_serving=True, under_load=False)
     state = config.run_dir / "server.json"
     try:
         deploy_model(config)

@@ -86,7 +86,8 @@ def test_the_winner_is_the_best_peak_and_a_near_tie_goes_to_the_faster_single_st
 
 @pytest.mark.usefixtures("prefect_server")
 def test_tune_refuses_measures_resumes_and_promotes(local_hub, tmp_path):
-    deploy = demo_config(local_hub.endpoint, tmp_path / "models", concurrency_levels=[1, 4], level_duration_s=1.5)
+    deploy = demo_config(local_hub.endpoint, tmp_path / "models", concurrency_levels=[1, 4], level_duration_s=1.5,
+                         under_load=False)  # the answer check's load is test_answers_rollout's
     config = TuneConfig(deploy=deploy, space=SPACE)
     state = tune_model(config, return_state=True)
     results = state.result()

@@ -42,7 +42,8 @@ def build_demo_repos(hub_root: Path, say=lambda line: None, *, kimi: bool = True
 
 
 def demo_config(endpoint: str, models_root: Path, **overrides):
-    """The demo's DeployConfig; an override named like a VllmSettings or BenchSpec field goes there."""
+    """The demo's DeployConfig; an override named like a VllmSettings, BenchSpec or AnswerSpec field
+    goes there."""
     from tasks.answers.spec import AnswerSpec
     from tasks.bench.spec import BenchSpec
     from tasks.cpus import server_and_client_cpus
@@ -68,6 +69,7 @@ def demo_config(endpoint: str, models_root: Path, **overrides):
     bench = dict(concurrency_levels=[1, 2, 4, 8, 16, 32, 64, 128, 256], level_duration_s=3.0, input_len=64,
                  output_len=32, client_cpus=client_cpus)
     bench |= {k: overrides.pop(k) for k in list(overrides) if k in BenchSpec.model_fields}
+    answers = {k: overrides.pop(k) for k in list(overrides) if k in AnswerSpec.model_fields}
     settings = dict(
         repo_id=BF16_REPO,
         models_root=models_root,
@@ -79,7 +81,8 @@ def demo_config(endpoint: str, models_root: Path, **overrides):
         bench=BenchSpec(**bench),
         # The model counts on and continues cycles: its own probes, and a counting text whose perplexity
         # drifts when it breaks.
-        answers=AnswerSpec(probes=Path(PROBES_FILE), reference_text=reference_text(), max_tokens=6),
+        answers=AnswerSpec(**{"probes": Path(PROBES_FILE), "reference_text": reference_text(), "max_tokens": 6,
+                              **answers}),
         keep_serving=False,  # the demo ends with nothing running
     )
     return DeployConfig(**{**settings, **overrides})
