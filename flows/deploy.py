@@ -44,6 +44,7 @@ from tasks.errors import (
     RegressionError,
     first_line,
 )
+from tasks.fleet.front import admit_behind_front, behind_front
 from tasks.gpu import GpuProbe
 from tasks.history.last_good import (
     LastGood,
@@ -78,7 +79,14 @@ from tasks.profiles.families import family_line
 from tasks.serving import Serving
 from tasks.vllm.command import warming_option_table
 from tasks.vllm.gap import GapProbe, Unavailability
-from tasks.vllm.process import Prestarted, cancel_prestart, reap_stale, serving_group, serving_headless
+from tasks.vllm.process import (
+    Prestarted,
+    ServerHandle,
+    cancel_prestart,
+    reap_stale,
+    serving_group,
+    serving_headless,
+)
 from tasks.vllm.readiness import slow_start
 from tasks.vllm.settings import ServerConfig
 
@@ -213,11 +221,20 @@ def _swap(config: DeployConfig, previous: LastGood | None, prepared: PreparedMod
     begin_swap(config.run_dir, what=f"{config.repo_id}@{prepared.commit[:12]}", models_root=config.models_root,
                flow_run_id=str(flow_run.get_id() or "") or None)
     old_pgid = previous.serving_pgid if previous else None
+    launch = behind_front(server, config.run_dir)  # where a front door runs: a private port until admitted
     prestarted = None
     try:
         # A client's view of the swap: one-token completions every 0.25 s to whatever server the
         # host records, from before the old one stops until the next one answers.
         with GapProbe(config.run_dir / "server.json", api_key=secret(config.api_key_secret)) as probe:
+
+            def admit(handle: ServerHandle) -> tuple[str | None, Unavailability | None]:
+                """Where a front door runs: its clients sent to the checked server. Returns the front's
+                URL and the clients' gap, from the old server's last answer to the admission."""
+                front_url = admit_behind_front(config.run_dir, handle.base_url)
+                if front_url is None or old_pgid is None:
+                    return front_url, None
+                return front_url, probe.held(old_pgid=old_pgid)
 
             def swap_gap(new_pgid: int | None) -> Unavailability | None:
                 if old_pgid is None:
@@ -226,12 +243,12 @@ def _swap(config: DeployConfig, previous: LastGood | None, prepared: PreparedMod
                     probe.wait_for_answer(new_pgid)
                 gap = probe.gap(old_pgid=old_pgid, new_pgid=new_pgid)
                 probe.pause()  # until a failure needs the restore's first answer
-                return gap
+                return gap.model_copy(update={"held": launch is not server})  # behind a front: clients waited
 
             if previous is None:
                 probe.pause()  # nothing served before: no gap to measure, and no load to add
             elif config.prestart:  # the new server's imports while the old one answers
-                prestarted = prestart_vllm(server, config.run_dir, api_key_secret=config.api_key_secret)
+                prestarted = prestart_vllm(launch, config.run_dir, api_key_secret=config.api_key_secret)
             stop_begun = False
             try:
                 if previous is not None:
@@ -240,8 +257,9 @@ def _swap(config: DeployConfig, previous: LastGood | None, prepared: PreparedMod
                     stop_serving(config.run_dir, previous.what)
                     join_group_nodes(left_behind(previous, config), "leave")
                 join_group_nodes(config.group_members(), "join")  # the leader waits for every rank at start-up
-                served = _serve_and_bench(config, prepared, gpu, server, last_run=last_run,
-                                          same_weights=same_weights, swap_gap=swap_gap, prestarted=prestarted)
+                served = _serve_and_bench(config, prepared, gpu, launch, last_run=last_run,
+                                          same_weights=same_weights, swap_gap=swap_gap, admit=admit,
+                                          prestarted=prestarted)
             except BaseException as err:  # a stop or a start that failed: nothing new was served
                 served = Served(error=err)
             if served.error is None:
@@ -289,6 +307,7 @@ def _check_files(config: DeployConfig, prepared: PreparedModel, last_good: LastG
 def _serve_and_bench(config: DeployConfig, prepared: PreparedModel, gpu: GpuProbe, server: ServerConfig, *,
                      last_run: RunRecord | None, same_weights: bool,
                      swap_gap: Callable[[int | None], Unavailability | None],
+                     admit: Callable[[ServerHandle], tuple[str | None, Unavailability | None]],
                      prestarted: Prestarted | None = None) -> Served:
     """Start (readiness includes a real token), check its answers, sweep, publish, compare. Wrong
     answers or a regression end it with the run in the history either way; what stopped it is the
@@ -351,6 +370,11 @@ def _serve_and_bench(config: DeployConfig, prepared: PreparedModel, gpu: GpuProb
             record = check_regression(last_run, record_of(rows, answers), config.max_regression)
             if record.status == "regressed":
                 record = record.model_copy(update={"unavailable_s": None})  # it will not go on serving
+            elif config.keep_serving:  # every check passed: a front door's clients reach it from here
+                front_url, held = admit(handle)
+                served = replace(served, front_url=front_url, unavailable=held or served.unavailable)
+                record = record.model_copy(update={"unavailable_s": served.unavailable.seconds
+                                                   if served.unavailable else None})
             served = replace(served, record=publish_record(record))
             if served.record.status == "regressed":
                 raise RegressionError(f"{config.repo_id}@{prepared.commit[:12]} {served.record.note}")

@@ -10,6 +10,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from tasks.deployment.config import DeployConfig
 from tasks.errors import first_line
+from tasks.fleet.front import admit_behind_front, behind_front
 from tasks.history.last_good import LastGood, write_last_good
 from tasks.orchestration.artifacts import command_block, publish_rollback
 from tasks.orchestration.remote_steps import join_on_host
@@ -49,8 +50,9 @@ def restore_last_good(previous: LastGood, *, run_dir: Path, startup_timeout_s: f
     try:
         join_group_nodes(recorded_group(previous), "join")
         handle, _ = start_vllm.with_options(task_run_name="restart last good")(
-            previous.server, run_dir, startup_timeout_s, api_key_secret=previous.api_key_secret,
-            repo_id=previous.repo_id, failure_suffix="-rollback")
+            behind_front(previous.server, run_dir, restore=True), run_dir, startup_timeout_s,
+            api_key_secret=previous.api_key_secret, repo_id=previous.repo_id, failure_suffix="-rollback")
+        front_url = admit_behind_front(run_dir, handle.base_url)  # where a front door runs: its clients come back
     except Exception as err:
         publish_rollback(previous.repo_id, what, why,
                          outcome=f"**Rollback failed:** `{first_line(err)}`. Nothing serves on this host now.")
@@ -58,7 +60,7 @@ def restore_last_good(previous: LastGood, *, run_dir: Path, startup_timeout_s: f
         return first_line(err), True
     write_last_good(run_dir, previous.model_copy(update={"serving_pgid": handle.pgid}))
     publish_rollback(previous.repo_id, what, why, outcome=(
-        f"**Serving again:** `{previous.server.served_model_name}` ({what}) at {handle.base_url}, "
+        f"**Serving again:** `{previous.server.served_model_name}` ({what}) at {front_url or handle.base_url}, "
         f"ready in {handle.startup_s:.0f} s.\n\n{command_block(handle.command)}\n"))
-    logger.warning("rolled back: %s serves again at %s", what, handle.base_url)
-    return f"{what} at {handle.base_url}", False
+    logger.warning("rolled back: %s serves again at %s", what, front_url or handle.base_url)
+    return f"{what} at {front_url or handle.base_url}", False

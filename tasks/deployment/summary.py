@@ -35,10 +35,11 @@ class Served:
     stop: str | None = None  # why the sweep stopped
     record: RunRecord | None = None  # the run's history record, published
     error: BaseException | None = None
+    front_url: str | None = None  # where the host's front door admitted it: the address its clients use
 
     @property
     def base_url(self) -> str | None:
-        return self.handle.base_url if self.handle else None
+        return self.front_url or (self.handle.base_url if self.handle else None)
 
 
 @dataclass(frozen=True)

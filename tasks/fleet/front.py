@@ -31,6 +31,7 @@ from pydantic import BaseModel, Field, ValidationError
 from tasks.errors import UnusableInput
 from tasks.fleet.router import HOLD_LUA, HAProxy, RouterConfig, RouterUnreachable, ServerStats, haproxy_config
 from tasks.trust import read_state_text
+from tasks.vllm.settings import ServerConfig
 from tasks.vllm.process import process_start_time
 
 SLOTS = ("a", "b")
@@ -66,6 +67,11 @@ def front_dir(run_dir: Path) -> Path:
 def read_front(run_dir: Path) -> FrontRecord | None:
     """The host's front door where one runs; None where none was started or it has stopped. A
     damaged record is one line naming it."""
+    record = _recorded_front(run_dir)
+    return record if record is not None and process_start_time(record.pid) == record.pid_started else None
+
+
+def _recorded_front(run_dir: Path) -> FrontRecord | None:
     path = front_dir(run_dir) / "front.json"
     try:
         record = FrontRecord.model_validate(json.loads(read_state_text(path)))
@@ -74,9 +80,28 @@ def read_front(run_dir: Path) -> FrontRecord | None:
     except (ValueError, ValidationError) as exc:
         raise UnusableInput(f"{path} is damaged ({str(exc).splitlines()[0]}): stop the front door's HAProxy by hand "
                             "if one runs, delete the file, and start it again with `rollout front start`") from exc
-    if process_start_time(record.pid) != record.pid_started:
-        return None
     return record
+
+
+def front_status(run_dir: Path) -> tuple[str | None, bool]:
+    """`rollout status`'s line on the front door, and whether it is down (a front that was started
+    and no longer runs: its clients are refused, the first thing an operator must hear). No line
+    where this host has no front door."""
+    recorded = _recorded_front(run_dir)
+    if recorded is None:
+        return None, False
+    down = (f"FRONT DOOR DOWN: its HAProxy (pid {recorded.pid}) on port {recorded.port} does not run, so clients "
+            f"are refused; `rollout front start --models-root {run_dir.parent} --port {recorded.port}`")
+    if read_front(run_dir) is None:
+        return down, True
+    try:
+        serving = FrontDoor(recorded).serving()
+    except UnusableInput:  # its runtime API does not answer
+        return down, True
+    if serving is None:
+        return (f"  front:    {recorded.url} holds each request up to {recorded.hold_s:.0f} s: no server admitted",
+                False)
+    return f"  front:    {recorded.url} sends clients to 127.0.0.1:{serving.port} (slot {serving.name})", False
 
 
 def _port_taken(host: str, port: int) -> str | None:
@@ -221,3 +246,31 @@ class FrontDoor:
         a swap where the host cannot hold two servers). The seconds the drain took."""
         return max([self.retire(slot.name, timeout_s=timeout_s) for slot in self.slots()], default=0.0)
 
+
+def behind_front(server: ServerConfig, run_dir: Path, *, restore: bool = False) -> ServerConfig:
+    """Where this host's front door listens on the server's port, the server goes behind it: on a
+    free loopback port, where no client reaches it until it is admitted. A restore always takes a
+    free port (the one it had may have been taken since). Elsewhere the server is left as it is."""
+    front = read_front(run_dir)
+    if front is None or not (restore or server.port == front.port):
+        return server
+    return server.model_copy(update={"host": "127.0.0.1", "port": 0})
+
+
+def admit_behind_front(run_dir: Path, base_url: str) -> str | None:
+    """Send the front's clients to the server at `base_url` (the old one drained, then out): the
+    promotion of a checked server, or a restored one. Returns the front's URL, or None where no front
+    door runs."""
+    front = read_front(run_dir)
+    if front is None:
+        return None
+    FrontDoor(front).admit(int(base_url.rsplit(":", 1)[1].split("/")[0]))
+    return front.url
+
+
+def hold_at_front(run_dir: Path) -> float | None:
+    """Before the serving server stops: clients are held at the front from here (their requests in
+    flight finish first) until the next server is admitted. The seconds the drain took, or None
+    where no front door runs."""
+    front = read_front(run_dir)
+    return FrontDoor(front).close() if front is not None else None

@@ -300,7 +300,8 @@ def haproxy_config(servers: list[tuple[str, str, int]], *, router: RouterConfig,
 
     With `hold_s` (and `hold_lua`, where HOLD_LUA is written), a request that arrives while no server is
     usable waits up to that long for one instead of HAProxy's immediate 503 (a swap is a pause), then
-    gets a JSON 503 with Retry-After; each answer names the server that gave it (x-rollout-server).
+    gets a JSON 503 with Retry-After; each answer names the server that gave it and its port
+    (x-rollout-server: "a 41234").
     `disabled`: the servers start in maintenance, out of rotation until admitted (a host's front door).
     """
     admin = router.admin
@@ -314,7 +315,7 @@ def haproxy_config(servers: list[tuple[str, str, int]], *, router: RouterConfig,
         f"    http-request return status 503 content-type application/json hdr Retry-After {max(1, int(hold_s))} "
         "string '{\"error\":{\"message\":\"no model is being served yet (a swap), retry later\",\"type\":"
         f"\"server_unavailable\",\"code\":503}}}}' if {{ nbsrv({router.backend}) eq 0 }}\n"
-        "    http-response set-header x-rollout-server %[srv_name]\n")
+        "    http-response set-header x-rollout-server \"%[srv_name] %[bc_dst_port]\"\n")
     return f"""global
     {socket_line}{lua}
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 
 from tasks.errors import UnusableInput, first_line
+from tasks.fleet.front import front_status
 from tasks.history.last_good import LastGood, read_last_good, read_previous_good
 from tasks.history.swap import abandoned_swap
 from tasks.history.tuned import TunedSettings, read_tuned
@@ -35,10 +36,12 @@ class HostStatus:
     previous_good: LastGood | None
     tuned: TunedSettings | None
     unfinished_swap: dict | None = None  # swap.json of a deploy that died mid-swap
+    front: str | None = None  # the front door's line (tasks/fleet/front.py), where the host has one
+    front_down: bool = False
 
     @property
     def exit_code(self) -> int:
-        if self.unfinished_swap is not None:
+        if self.unfinished_swap is not None or self.front_down:
             return DEAD
         if self.state is None:
             return NOTHING
@@ -70,6 +73,8 @@ class HostStatus:
         first = [f"UNFINISHED SWAP: the deploy of {swap.get('what')} (pid {swap.get('deploy_pid')}) died mid-swap; "
                  f"its guard brings the last good deployment back, or run `rollout recover --models-root "
                  f"{swap.get('models_root') or self.run_dir.parent}`"] if swap else []
+        if self.front_down:
+            first.insert(0, self.front)
         if state is None:
             head = [f"nothing serves: no server recorded in {self.run_dir / 'server.json'}"]
         else:
@@ -98,6 +103,8 @@ class HostStatus:
                 if record.answers is not None:
                     head.append(f"  answers:  {record.answers.accuracy:.0%} of {len(record.answers.outputs)} probes "
                                 "right")
+        if self.front is not None and not self.front_down:
+            head.insert(1, self.front)
         if (back := self.rollback_target()) is not None:
             head.append(f"  rollback to: {back.what} (`rollout rollback`)")
         if self.tuned is not None:
@@ -173,6 +180,8 @@ def host_status(run_dir: Path, timeout_s: float = 5.0) -> HostStatus:
     alive = serving_group(run_dir / "server.json") if state else None
     answers = _listed(state["base_url"], timeout_s) if alive and state.get("base_url") else None
     last = read_last_good(run_dir)
+    front, front_down = front_status(run_dir)
     return HostStatus(run_dir=run_dir, state=state, alive_pgid=alive, answers=answers, last_good=last,
                       previous_good=read_previous_good(run_dir),
-                      tuned=read_tuned(run_dir, last.repo_id) if last else None, unfinished_swap=abandoned_swap(run_dir))
+                      tuned=read_tuned(run_dir, last.repo_id) if last else None,
+                      unfinished_swap=abandoned_swap(run_dir), front=front, front_down=front_down)

@@ -29,6 +29,7 @@ from tasks.checkpoint.rules import (
 from tasks.disk import DiskPlan, EvictionResult, check_plan, evict, plan_space
 from tasks.errors import GpuConfigError, ServerStartError, ValidationFailed
 from tasks.findings import Violation
+from tasks.fleet.front import hold_at_front
 from tasks.gpu import (
     GpuProbe,
     HardwarePlan,
@@ -235,7 +236,12 @@ def prewarm_model(model_dir: Path, *, keep_warm: Path | None, margin_gb: float) 
 
 @task(name="stop-serving", task_run_name="stop {what}", tags=["vllm"], cache_policy=NO_CACHE)
 def stop_serving(run_dir: Path, what: str) -> None:
-    """The host's current server, stopped so the new model gets the GPUs (one model at a time)."""
+    """The host's current server, stopped so the new model gets the GPUs (one model at a time).
+    Where a front door runs, its clients are held there first (their requests in flight finish):
+    they wait for the next server admitted instead of being refused."""
+    if (drained := hold_at_front(run_dir)) is not None:
+        get_run_logger().info("front door: clients held until the next server is admitted (drained in %.1f s)",
+                              drained)
     reap_stale(run_dir / "server.json")
 
 

@@ -51,8 +51,11 @@ class Unavailability(BaseModel):
     probes: int
     failed: int
     interval_s: float
+    held: bool = False  # behind a front door: the clients waited there (held), none was refused
 
     def text(self) -> str:
+        if self.seconds is not None and self.held:
+            return f"{self.seconds:.1f} s held at the front door (requests waited; none was refused)"
         if self.seconds is not None:
             return (f"{self.seconds:.1f} s without an answer ({self.failed} of {self.probes} probes every "
                     f"{self.interval_s:g} s failed)")
@@ -135,6 +138,15 @@ class GapProbe:
         """Every probe of this swap, a JSON line each (sent, answered, group, outcome)."""
         path.write_text("".join(json.dumps({"sent": round(a.sent, 3), "at": round(a.at, 3), "pgid": a.pgid,
                                             "outcome": a.outcome}) + "\n" for a in list(self.answers)))
+
+    def held(self, *, old_pgid: int) -> Unavailability:
+        """Behind a front door, at the new server's admission: from the old group's last answer to
+        now, the time the front held its clients (the new server's own first answer, on its private
+        port, came before its checks; no client saw it)."""
+        last = self.gap(old_pgid=old_pgid, new_pgid=None).last_old_answer
+        now = datetime.now(timezone.utc)
+        return Unavailability(seconds=(now - last).total_seconds() if last else None, last_old_answer=last,
+                              first_new_answer=now, probes=0, failed=0, interval_s=self.interval_s, held=True)
 
     def gap(self, *, old_pgid: int | None, new_pgid: int | None) -> Unavailability:
         """From the old group's last answer to the first answer after it by the group now serving."""
