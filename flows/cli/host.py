@@ -51,12 +51,17 @@ def status(models_root: ModelsRoot = Path("/models"),
 
     Exit 0 serving, 3 nothing serves, 1 the recorded server is dead or does not answer.
     """
+    from dataclasses import replace
+
+    from tasks.fleet.front import front_status
     from tasks.history.serving import host_status
 
     try:
         found = host_status(models_root / ".rollout")
+        front, front_down = front_status(models_root / ".rollout")
     except UnusableInput as exc:
         fail(exc)
+    found = replace(found, front=front, front_down=front_down)
     if as_json:
         typer.echo(json.dumps({"exit_code": found.exit_code, "server": found.state, "alive_pgid": found.alive_pgid,
                                "models": found.answers, "unfinished_swap": found.unfinished_swap,

@@ -132,14 +132,17 @@ def start_front(run_dir: Path, *, port: int, host: str = "127.0.0.1", hold_s: fl
     where.mkdir(parents=True, exist_ok=True)
     admin, pid_file = where / "haproxy.sock", where / "haproxy.pid"
     (where / "hold.lua").write_text(HOLD_LUA)
-    config = haproxy_config([(slot, "127.0.0.1", PLACEHOLDER_PORT) for slot in SLOTS], router=_router(admin),
+    # The socket named relative to the front's directory, HAProxy started there: a unix socket's path
+    # is at most 107 bytes, and a models root can be deeper than that leaves (CI's pytest paths were).
+    config = haproxy_config([(slot, "127.0.0.1", PLACEHOLDER_PORT) for slot in SLOTS],
+                            router=_router(f"unix@{admin.name}"),
                             bind=f"{host}:{port}", hold_s=hold_s, hold_lua=where / "hold.lua", disabled=True)
     (where / "haproxy.cfg").write_text(config)
     started = subprocess.run([haproxy, "-D", "-f", str(where / "haproxy.cfg"), "-p", str(pid_file)],
-                             capture_output=True, text=True, timeout=30)
+                             capture_output=True, text=True, timeout=30, cwd=where)
     if started.returncode != 0:
         said = [line for line in started.stderr.splitlines() if "ALERT" in line] or started.stderr.splitlines()
-        raise UnusableInput(f"the front door's HAProxy did not start: {(said or ['no message'])[-1].strip()} "
+        raise UnusableInput(f"the front door's HAProxy did not start: {(said or ['no message'])[0].strip()} "
                             f"(config: {where / 'haproxy.cfg'})")
     pid = int(pid_file.read_text().split()[0])
     record = FrontRecord(pid=pid, pid_started=process_start_time(pid), host=host, port=port, hold_s=hold_s,

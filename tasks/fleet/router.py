@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import csv
 import io
+import os
 import re
 import socket
 import time
@@ -98,6 +99,19 @@ def _refusal(answer: str) -> str | None:
     return None
 
 
+def _connect_unix(conn: socket.socket, path: Path) -> None:
+    """Connect to a unix socket whatever its path's length: one longer than a socket address holds
+    (107 bytes) is reached through its directory's descriptor, /proc/self/fd/N/name."""
+    if len(str(path).encode()) < 100:
+        conn.connect(str(path))
+        return
+    directory = os.open(path.parent, os.O_PATH)
+    try:
+        conn.connect(f"/proc/self/fd/{directory}/{path.name}")
+    finally:
+        os.close(directory)
+
+
 class HAProxy:
     """HAProxy's runtime API: one command a connection, answered in text."""
 
@@ -115,7 +129,7 @@ class HAProxy:
             else:
                 conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 conn.settimeout(self.timeout_s)
-                conn.connect(str(Path(admin)))
+                _connect_unix(conn, Path(admin))
         except (OSError, ValueError) as exc:
             raise RouterUnreachable(f"router {admin}: cannot connect ({exc})") from exc
         with conn:

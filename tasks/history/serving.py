@@ -11,7 +11,6 @@ from pathlib import Path
 import httpx
 
 from tasks.errors import UnusableInput, first_line
-from tasks.fleet.front import front_status
 from tasks.history.last_good import LastGood, read_last_good, read_previous_good
 from tasks.history.swap import abandoned_swap
 from tasks.history.tuned import TunedSettings, read_tuned
@@ -36,7 +35,7 @@ class HostStatus:
     previous_good: LastGood | None
     tuned: TunedSettings | None
     unfinished_swap: dict | None = None  # swap.json of a deploy that died mid-swap
-    front: str | None = None  # the front door's line (tasks/fleet/front.py), where the host has one
+    front: str | None = None  # the front door's line (tasks/fleet/front.py front_status, added by the CLI)
     front_down: bool = False
 
     @property
@@ -180,8 +179,6 @@ def host_status(run_dir: Path, timeout_s: float = 5.0) -> HostStatus:
     alive = serving_group(run_dir / "server.json") if state else None
     answers = _listed(state["base_url"], timeout_s) if alive and state.get("base_url") else None
     last = read_last_good(run_dir)
-    front, front_down = front_status(run_dir)
     return HostStatus(run_dir=run_dir, state=state, alive_pgid=alive, answers=answers, last_good=last,
                       previous_good=read_previous_good(run_dir),
-                      tuned=read_tuned(run_dir, last.repo_id) if last else None,
-                      unfinished_swap=abandoned_swap(run_dir), front=front, front_down=front_down)
+                      tuned=read_tuned(run_dir, last.repo_id) if last else None, unfinished_swap=abandoned_swap(run_dir))
