@@ -30,6 +30,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from tasks.errors import UnusableInput
 from tasks.fleet.router import HOLD_LUA, HAProxy, RouterConfig, RouterUnreachable, ServerStats, haproxy_config
+from tasks.history.swap import write_record
 from tasks.trust import read_state_text
 from tasks.vllm.settings import ServerConfig
 from tasks.vllm.process import process_start_time
@@ -147,9 +148,7 @@ def start_front(run_dir: Path, *, port: int, host: str = "127.0.0.1", hold_s: fl
     pid = int(pid_file.read_text().split()[0])
     record = FrontRecord(pid=pid, pid_started=process_start_time(pid), host=host, port=port, hold_s=hold_s,
                          admin=str(admin))
-    tmp = where / "front.json.tmp"
-    tmp.write_text(record.model_dump_json())
-    tmp.replace(where / "front.json")
+    write_record(where / "front.json", record.model_dump(mode="json"))
     FrontDoor(record).slots()  # its runtime API answers
     return record
 
